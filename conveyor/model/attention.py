@@ -1,0 +1,111 @@
+"""Paged attention over a flattened batch of tokens from many sequences.
+
+A step's tokens are laid out prefill chunks first (one contiguous run per sequence), then
+one token per decoding sequence. New K/V are written into the paged cache through the slot
+mapping before attention, so every query sees its whole context through its block table.
+
+Cache layout per layer: ``[kv_heads, num_blocks, block_size, head_dim]`` for K and for V.
+Keeping the head axis outermost means gathering a batch's blocks with one ``index_select``
+yields ``[kv_heads, seqs, context, head_dim]`` -- directly a batched-matmul operand, with no
+permute-and-copy of the gathered context per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence computing a chunk of >= 1 prompt tokens this step."""
+
+    query_start: int            # offset of its first token in the flattened batch
+    query_len: int              # tokens computed this step
+    num_cached: int             # tokens of context already in the cache before this chunk
+    block_table: torch.Tensor   # [blocks covering num_cached + query_len] long
+    mask: torch.Tensor | None   # [query_len, num_cached + query_len] bool (True = attend); None => causal, no cache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor              # [T] long: cache slot (block * block_size + offset) per token
+    block_size: int
+    num_prefill_tokens: int
+    prefills: list[PrefillSeq]
+    decode_block_tables: torch.Tensor | None = None   # [D, max_blocks] long (padded with 0)
+    decode_bias: torch.Tensor | None = None           # [1, D, 1, max_context] float: 0 or -inf
+    decode_max_context: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Blocks of each row of ``block_tables`` as ``[kv_heads, rows, length, head_dim]``."""
+    kv_heads, _, block_size, head_dim = cache.shape
+    rows, blocks = block_tables.shape
+    out = cache.index_select(1, block_tables.reshape(-1)).view(kv_heads, rows, blocks * block_size, head_dim)
+    return out[:, :, :length]
+
+
+class TorchPagedAttention:
+    """Portable paged attention built from torch ops (CPU and CUDA)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, d]; k, v: [T, KVH, d]. Returns [T, H * d]."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        for seq in meta.prefills:
+            sl = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq)
+        if meta.num_decodes:
+            out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:], k_cache, v_cache, meta)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
+        qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, n, d]
+        if seq.mask is None:
+            kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            total = seq.num_cached + seq.query_len
+            bt = seq.block_table.unsqueeze(0)
+            kh = gather_context(k_cache, bt, total).transpose(0, 1)     # [1, KVH, total, d]
+            vh = gather_context(v_cache, bt, total).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=self.scale, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        d = q.shape[0]
+        kh = gather_context(k_cache, meta.decode_block_tables, meta.decode_max_context)  # [KVH, D, L, d]
+        vh = gather_context(v_cache, meta.decode_block_tables, meta.decode_max_context)
+        # The query heads of one KV group become the query "length" of that (KVH, seq) pair.
+        qh = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)   # [KVH, D, G, d]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.decode_bias, scale=self.scale)
+        return o.transpose(0, 1).reshape(d, -1)

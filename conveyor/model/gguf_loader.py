@@ -1,0 +1,133 @@
+"""GGUF -> HF-named fp32 weights and config, cached as safetensors.
+
+llama.cpp stores the Q and K projections of "llama" models with their rows permuted for its
+interleaved RoPE; we undo that so that one rotate-half RoPE serves every checkpoint. The
+conversion (dequantizing every tensor) is paid once per file: the result is cached under
+``$CONVEYOR_CACHE_DIR`` (default ``~/.cache/conveyor``) keyed by the file's size, mtime and
+a hash of its header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from conveyor.model.config import ModelConfig, UnsupportedModelError
+
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
+_PERMUTED_ARCHS = {"llama", "mistral"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CONVEYOR_CACHE_DIR", Path.home() / ".cache" / "conveyor"))
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHS)}")
+    a = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise UnsupportedModelError("GGUF with rope_freqs (llama3 RoPE scaling) is not supported yet")
+    names = {t.name for t in reader.tensors}
+    vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        model_type=_GGUF_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=a("feed_forward_length"), num_hidden_layers=a("block_count"),
+        num_attention_heads=heads, num_key_value_heads=a("attention.head_count_kv", heads),
+        head_dim=a("attention.key_length", hidden // heads),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        max_position_embeddings=a("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    blk, idx, part = base.split(".", 2)
+    if blk != "blk" or part not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{suffix}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's Q/K row permutation (pairs (2i, 2i+1) -> halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    permute = cfg.model_type in _PERMUTED_ARCHS
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_QUANTS:
+            raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {t.tensor_type.name}")
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, cfg.num_attention_heads)
+        elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, cfg.num_key_value_heads)
+        out[_hf_name(t.name)] = w
+    return out
+
+
+def convert_gguf(path: str | Path) -> Path:
+    """Convert a GGUF file into a cached HF-style directory (config.json + model.safetensors)."""
+    from gguf import GGUFReader
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    target = cache_dir() / f"{path.stem}-{_file_key(path)}"
+    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        return target
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the gguf package raises assorted errors on a damaged file
+        raise UnsupportedModelError(f"cannot read GGUF file {path}: {e}") from e
+    cfg = gguf_config(reader)
+    tensors = gguf_tensors(reader, cfg)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = target / f"model.safetensors.tmp{os.getpid()}"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, target / "model.safetensors")
+    (target / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    return target

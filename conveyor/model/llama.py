@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) on a flattened token batch.
+
+Every op except attention runs on all tokens of the step at once (Orca's selective batching);
+attention uses the per-sequence metadata. Q/K/V and gate/up projections are fused into one
+matmul each to cut per-step kernel launches and Python overhead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from conveyor.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.eps) * self.weight
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved ("rotate half") RoPE, the layout of HF checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset()
+
+    def reset(self) -> None:
+        """(Re)compute the tables, e.g. after the module was built on the meta device."""
+        device = self.cos.device if self.cos.device.type != "meta" else None
+        t = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(self.cfg))
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cos = self.cos[positions].unsqueeze(1)   # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return tuple(out)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.attn = backend
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+        super().__init__()
+        self.cfg = cfg
+        backend = backend or TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta)
+        x = self.norm(x[logits_indices])
+        return F.linear(x, self.lm_head_weight())
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in HF checkpoints, fusing q/k/v and gate/up on the way."""
+        own = self.state_dict()
+        fused: dict[str, list[torch.Tensor | None]] = {}
+        groups = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in groups:
+                target, idx = groups[parts[-2]]
+                key = ".".join(parts[:-2] + [target, parts[-1]])
+                fused.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[idx] = tensor
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            self._copy(own, name, tensor, loaded)
+        for key, pieces in fused.items():
+            if any(p is None for p in pieces):
+                raise ValueError(f"incomplete fused weight {key}: a q/k/v or gate/up piece is missing")
+            self._copy(own, key, torch.cat(pieces, dim=0), loaded)
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+
+    @staticmethod
+    def _copy(own: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+        if name not in own:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        if own[name].shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        own[name].copy_(tensor)
+        loaded.add(name)

