@@ -1,0 +1,70 @@
+"""A tiny random Llama behind a real Engine (demo tokenizer for detokenization)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.model.config import ModelConfig
+from conveyor.model.llama import LlamaForCausalLM
+from conveyor.model.loader import LoadedModel, demo_model_path
+from conveyor.scheduler.config import SchedulerConfig
+from conveyor.tokenizer import Tokenizer
+
+TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=1024, rope_theta=10000.0)
+
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # well-separated logits: greedy ties would make equality tests flaky
+                scale = 3.0 if "lm_head" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=g) * scale / math.sqrt(p.shape[-1]))
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(demo_model_path())
+
+
+@pytest.fixture(scope="session")
+def make_engine(demo_tokenizer):
+    model = tiny_model()
+
+    def make(num_kv_blocks: int = 512, block_size: int = 16, swap_space_gib: float = 0.05,
+             enable_prefix_caching: bool = True, **sched) -> Engine:
+        cfg = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, swap_space_gib=swap_space_gib,
+                           enable_prefix_caching=enable_prefix_caching, scheduler=SchedulerConfig(**sched))
+        return Engine(cfg, loaded=LoadedModel(TINY, model, demo_tokenizer, demo_model_path(), "tiny"))
+
+    return make
+
+
+def run_all(engine: Engine, prompts: list[list[int]], params, priorities=None, check=None) -> dict:
+    """Drive the engine to completion; returns request id -> RequestOutput."""
+    ids = [engine.add_request(p, params[i] if isinstance(params, list) else params,
+                              priority=priorities[i] if priorities else 0) for i, p in enumerate(prompts)]
+    done = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check is not None:
+            check(engine)
+        steps += 1
+        assert steps < 100_000, "engine did not finish"
+    return [done[i] for i in ids]
