@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from conveyor.server.cli import add_serve_parser
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -107,11 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
-    try:
-        from conveyor.server.cli import add_serve_parser
-        add_serve_parser(sub)
-    except ImportError:
-        pass
+    add_serve_parser(sub)
     return parser
 
 

@@ -32,18 +32,26 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decoding sequences of similar context length, padded to the group's longest."""
+
+    start: int                  # offset of the group's first token in the flattened batch
+    block_tables: torch.Tensor  # [D, max_blocks] long (padded with 0)
+    bias: torch.Tensor          # [1, D, 1, max_context] float: 0, or -inf past a sequence's end
+    max_context: int
+
+    @property
+    def size(self) -> int:
+        return self.block_tables.shape[0]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor              # [T] long: cache slot (block * block_size + offset) per token
     block_size: int
     num_prefill_tokens: int
     prefills: list[PrefillSeq]
-    decode_block_tables: torch.Tensor | None = None   # [D, max_blocks] long (padded with 0)
-    decode_bias: torch.Tensor | None = None           # [1, D, 1, max_context] float: 0 or -inf
-    decode_max_context: int = 0
-
-    @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+    decodes: list[DecodeGroup]
 
 
 class AttentionBackend(Protocol):
@@ -60,10 +68,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Blocks of each row of ``block_tables`` as ``[kv_heads, rows, length, head_dim]``."""
-    kv_heads, _, block_size, head_dim = cache.shape
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
     rows, blocks = block_tables.shape
-    out = cache.index_select(1, block_tables.reshape(-1)).view(kv_heads, rows, blocks * block_size, head_dim)
-    return out[:, :, :length]
+    flat = block_tables.reshape(-1)
+    out = torch.empty(kv_heads, rows * blocks, block_size * head_dim, dtype=cache.dtype, device=cache.device)
+    # One contiguous gather per head along the leading axis: ~5x faster on CPU than
+    # index_select along the blocks axis of the 4-D cache.
+    for h in range(kv_heads):
+        torch.index_select(cache[h].view(num_blocks, -1), 0, flat, out=out[h])
+    return out.view(kv_heads, rows, blocks * block_size, head_dim)[:, :, :length]
 
 
 class TorchPagedAttention:
@@ -84,8 +97,9 @@ class TorchPagedAttention:
         for seq in meta.prefills:
             sl = slice(seq.query_start, seq.query_start + seq.query_len)
             out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq)
-        if meta.num_decodes:
-            out[meta.num_prefill_tokens:] = self._decode(q[meta.num_prefill_tokens:], k_cache, v_cache, meta)
+        for group in meta.decodes:
+            sl = slice(group.start, group.start + group.size)
+            out[sl] = self._decode(q[sl], k_cache, v_cache, group)
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
@@ -101,11 +115,11 @@ class TorchPagedAttention:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(q.shape[0], -1)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
         d = q.shape[0]
-        kh = gather_context(k_cache, meta.decode_block_tables, meta.decode_max_context)  # [KVH, D, L, d]
-        vh = gather_context(v_cache, meta.decode_block_tables, meta.decode_max_context)
+        kh = gather_context(k_cache, group.block_tables, group.max_context)  # [KVH, D, L, d]
+        vh = gather_context(v_cache, group.block_tables, group.max_context)
         # The query heads of one KV group become the query "length" of that (KVH, seq) pair.
         qh = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)   # [KVH, D, G, d]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=meta.decode_bias, scale=self.scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=group.bias, scale=self.scale)
         return o.transpose(0, 1).reshape(d, -1)

@@ -65,8 +65,9 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos = self.cos[positions].unsqueeze(1)   # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
+        # Tables stay fp32; cast like HF so that bf16/fp16 q and k keep their dtype.
+        cos = self.cos[positions].unsqueeze(1).to(xs[0].dtype)   # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1).to(xs[0].dtype)
         out = []
         for x in xs:
             x1, x2 = x.chunk(2, dim=-1)

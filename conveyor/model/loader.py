@@ -110,15 +110,12 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     from conveyor.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        directory = convert_gguf(path)
-        tokenizer = Tokenizer.from_gguf(path)
-    elif path.is_dir():
-        directory = path
-        tokenizer = Tokenizer.from_hf_dir(path)
-    else:
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if not (is_gguf or path.is_dir()):
         raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
-    cfg = read_config(directory)
+    directory = convert_gguf(path) if is_gguf else path
+    cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
+    tokenizer = Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_hf_dir(path)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
     net = build_model(cfg, load_weights(directory), device, dtype)

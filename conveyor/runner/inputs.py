@@ -10,7 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from conveyor.model.attention import AttentionMetadata, PrefillSeq
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+
+# Decodes are grouped by context length so that padding to a group's longest context wastes
+# at most this fraction of the gathered KV; more groups cost more (small) kernel launches.
+_GROUP_MIN_FILL = 0.6
+_MAX_DECODE_GROUPS = 4
 
 
 @dataclass(slots=True)
@@ -34,9 +39,11 @@ class ModelInputs:
 
 
 def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu") -> ModelInputs:
-    """Lay out prefill chunks (len > 1 or with no cache) first, then single-token decodes."""
+    """Lay out prefill chunks (len > 1 or with no cache) first, then single-token decodes
+    sorted by context length, longest first."""
     is_decode = [len(w.token_ids) == 1 and w.num_cached > 0 for w in work]
-    order = [i for i, d in enumerate(is_decode) if not d] + [i for i, d in enumerate(is_decode) if d]
+    decodes = sorted((i for i, d in enumerate(is_decode) if d), key=lambda i: -work[i].num_cached)
+    order = [i for i, d in enumerate(is_decode) if not d] + decodes
     seqs = [work[i] for i in order]
     n_pref = sum(1 for d in is_decode if not d)
 
@@ -63,15 +70,8 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
             mask = torch.arange(c + n, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
         prefills.append(PrefillSeq(int(starts[r]), n, c, torch.from_numpy(tables[r, :nblocks]).to(device), mask))
 
-    meta = AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills)
-    if n_pref < len(seqs):
-        ctx = cached[n_pref:] + 1
-        max_ctx = int(ctx.max())
-        nb = -(-max_ctx // block_size)
-        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables[n_pref:, :nb])).to(device)
-        bias = np.where(np.arange(max_ctx)[None, :] < ctx[:, None], 0.0, -np.inf).astype(np.float32)
-        meta.decode_bias = torch.from_numpy(bias).to(device).view(1, len(ctx), 1, max_ctx)
-        meta.decode_max_context = max_ctx
+    groups = _decode_groups(cached[n_pref:] + 1, tables[n_pref:], int(starts[n_pref]), block_size, device)
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills, groups)
 
     sample_rows = [r for r, w in enumerate(seqs) if w.sample]
     logits_idx = starts[1:][sample_rows] - 1
@@ -83,3 +83,25 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
         order=order,
         sample_order=[order[r] for r in sample_rows],
     )
+
+
+def _decode_groups(ctx: np.ndarray, tables: np.ndarray, start: int, block_size: int,
+                   device: torch.device | str) -> list[DecodeGroup]:
+    """Split decodes (sorted by context, longest first) into groups of similar length."""
+    if len(ctx) == 0:
+        return []
+    bounds = [0]
+    for i in range(1, len(ctx)):
+        if ctx[i] < _GROUP_MIN_FILL * ctx[bounds[-1]] and len(bounds) < _MAX_DECODE_GROUPS:
+            bounds.append(i)
+    bounds.append(len(ctx))
+    groups = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        g_ctx = ctx[lo:hi]
+        max_ctx = int(g_ctx[0])
+        nb = -(-max_ctx // block_size)
+        bias = np.where(np.arange(max_ctx)[None, :] < g_ctx[:, None], 0.0, -np.inf).astype(np.float32)
+        groups.append(DecodeGroup(
+            start + lo, torch.from_numpy(np.ascontiguousarray(tables[lo:hi, :nb])).to(device),
+            torch.from_numpy(bias).to(device).view(1, hi - lo, 1, max_ctx), max_ctx))
+    return groups

@@ -86,10 +86,12 @@ class SamplingParams:
               f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         check(_is_real(self.temperature) and 0.0 <= self.temperature <= 100.0,
               f"temperature must be in [0, 100], got {self.temperature!r}")
-        check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+              f"top_p must be in (0, 1], got {self.top_p!r}")
         check(_is_int(self.top_k) and self.top_k >= 0,
               f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}")
-        check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
+              f"min_p must be in [0, 1], got {self.min_p!r}")
         check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               f"max_tokens must be at least 1, got {self.max_tokens!r}")

@@ -8,6 +8,7 @@ Logprobs are taken from the raw logits, before any of that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -87,6 +88,8 @@ def _flat_positions(rows: list[int], token_lists: list[list[int]], vocab: int) -
     """Positions in the flattened [batch, vocab] logits of each (row, token) pair."""
     lengths = [len(t) for t in token_lists]
     tokens = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
+    # An out-of-range id would silently land in the neighbouring row.
+    assert tokens.size == 0 or (tokens.min() >= 0 and tokens.max() < vocab), "token id outside the vocab"
     return tokens + np.repeat(np.array(rows, dtype=np.int64) * vocab, lengths)
 
 
@@ -104,10 +107,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     # Prompt tokens only matter for the repetition penalty.
     rep_rows = [i for i in picked if rows[i].params.repetition_penalty != 1.0]
     prompts = _flat_positions(rep_rows, [rows[i].prompt_token_ids for i in rep_rows], vocab)
-    positions, inverse = torch.unique(torch.from_numpy(np.concatenate([outputs, prompts])).to(device),
-                                      return_inverse=True)
+    pairs = torch.from_numpy(np.concatenate([outputs, prompts])).to(device)
+    positions, inverse = torch.unique(pairs, return_inverse=True)
     counts = torch.zeros(positions.numel(), dtype=logits.dtype, device=device)
-    counts.index_add_(0, inverse[:len(outputs)], torch.ones(len(outputs), dtype=logits.dtype, device=device))
+    ones = torch.ones(len(outputs), dtype=logits.dtype, device=device)
+    counts.index_add_(0, inverse[:len(outputs)], ones)
     row_of = positions // vocab
 
     def per_pair(values: list[float]) -> torch.Tensor:
@@ -143,8 +147,10 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # zero entries, and inverse-CDF sampling needs no normalization.
     weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
     vocab = weights.shape[1]
-    _top_k(weights, [i for i, p in enumerate(params) if 0 < p.top_k < vocab], [p.top_k for p in params])
-    _top_p(weights, [i for i, p in enumerate(params) if p.top_p < 1.0], [p.top_p for p in params])
+    with_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    only_p = [i for i, p in enumerate(params) if p.top_p < 1.0 and not 0 < p.top_k < vocab]
+    weights = _on_rows(weights, with_k, lambda w: _top_k_top_p(w, [params[i] for i in with_k]))
+    weights = _on_rows(weights, only_p, lambda w: _top_p(w, [params[i].top_p for i in only_p]))
     if any(p.min_p > 0.0 for p in params):
         # prob < min_p * max_prob, with max_prob = 1 in these units (the top token survives all filters).
         weights.masked_fill_(weights < _param([p.min_p for p in params], weights), 0.0)
@@ -160,18 +166,29 @@ def _subset(t: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, torch.Ten
     return t[idx], idx
 
 
-def _top_k(weights: torch.Tensor, picked: list[int], ks: list[int]) -> None:
+def _on_rows(weights: torch.Tensor, picked: list[int],
+             fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """weights with the picked rows replaced by fn of them."""
     if not picked:
-        return
+        return weights
     sub, idx = _subset(weights, picked)
-    k = _index([ks[i] for i in picked], weights.device).unsqueeze(1)
-    top = sub.topk(max(ks[i] for i in picked), dim=-1, sorted=True).indices
+    if idx is None:
+        return fn(sub)
+    weights[idx] = fn(sub)
+    return weights
+
+
+def _top_k_top_p(weights: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p on what is left: both only need each row's k largest weights."""
+    k = _index([p.top_k for p in params], weights.device).unsqueeze(1)
+    top, order = weights.topk(max(p.top_k for p in params), dim=-1, sorted=True)
     # Keep exactly the first k of each row's ranking, so ties at the boundary cannot add tokens.
-    keep = torch.zeros_like(sub, dtype=torch.bool)
-    keep.scatter_(1, top, torch.arange(top.shape[1], device=weights.device) < k)
-    sub.masked_fill_(~keep, 0.0)
-    if idx is not None:
-        weights[idx] = sub
+    top.masked_fill_(torch.arange(top.shape[1], device=top.device) >= k, 0.0)
+    if any(p.top_p < 1.0 for p in params):
+        limit = _param([p.top_p if p.top_p < 1.0 else torch.inf for p in params], top)
+        cum = top.cumsum(dim=-1)
+        top.masked_fill_((cum - top) >= limit * cum[:, -1:], 0.0)
+    return torch.zeros_like(weights).scatter_(1, order, top)
 
 
 # Partial sorts tried before a full one: a row whose top-N already holds top_p of its mass
@@ -179,29 +196,27 @@ def _top_k(weights: torch.Tensor, picked: list[int], ks: list[int]) -> None:
 _TOP_P_CANDIDATES = (256, 4096)
 
 
-def _top_p(weights: torch.Tensor, picked: list[int], ps: list[float]) -> None:
+def _top_p(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    if not picked:
-        return
-    sub, idx = _subset(weights, picked)
-    vocab = sub.shape[1]
-    limit = _param([ps[i] for i in picked], sub) * sub.sum(dim=-1, keepdim=True)
-    keep = torch.zeros_like(sub, dtype=torch.bool)
-    pending = torch.arange(sub.shape[0], device=sub.device)
-    for size in [n for n in _TOP_P_CANDIDATES if n < vocab] + [vocab]:
-        top, order = sub[pending].topk(size, dim=-1, sorted=True)
+    n, vocab = weights.shape
+    limit = _param(ps, weights) * weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(weights)
+    rows = torch.arange(n, device=weights.device)
+    cand, lim = weights, limit
+    for size in [c for c in _TOP_P_CANDIDATES if c < vocab] + [vocab]:
+        partial = size < vocab
+        top, order = cand.topk(size, dim=-1) if partial else cand.sort(dim=-1, descending=True)
         cum = top.cumsum(dim=-1)
-        lim = limit[pending]
-        done = (cum[:, -1:] >= lim).squeeze(1) if size < vocab else torch.ones_like(pending, dtype=torch.bool)
+        done = (cum[:, -1:] >= lim).squeeze(1) if partial else torch.ones_like(rows, dtype=torch.bool)
         # A token goes once the mass strictly before it already reaches top_p; the first never does.
-        rows_done = pending[done]
-        keep[rows_done] = keep[rows_done].scatter_(1, order[done], (cum - top)[done] < lim[done])
-        pending = pending[~done]
-        if pending.numel() == 0:
+        top.masked_fill_((cum - top) >= lim, 0.0)
+        # Write the finished rows' candidates into place; everything else stays zero.
+        flat = (rows[done] * vocab).unsqueeze(1) + order[done]
+        out.view(-1)[flat.view(-1)] = top[done].view(-1)
+        rows, cand, lim = rows[~done], cand[~done], lim[~done]
+        if rows.numel() == 0:
             break
-    sub.masked_fill_(~keep, 0.0)
-    if idx is not None:
-        weights[idx] = sub
+    return out
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -254,7 +269,8 @@ def _gather_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
     n_top = max(rows[i].params.logprobs for i in picked)
     top_x, top_ids = x.topk(n_top, dim=-1)
     top_lp, top_ids = (top_x - lse).tolist(), top_ids.tolist()
-    sampled_ids, sampled_lps, rank_list = sampled.squeeze(1).tolist(), (sampled_x - lse).squeeze(1).tolist(), rank.tolist()
+    sampled_ids, sampled_lps = sampled.squeeze(1).tolist(), (sampled_x - lse).squeeze(1).tolist()
+    rank_list = rank.tolist()
     for j, i in enumerate(picked):
         n = rows[i].params.logprobs
         entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))

@@ -8,7 +8,7 @@ import pytest
 
 from conveyor.sampling.params import SamplingParams
 
-from conftest import run_all
+from engine_testlib import run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 

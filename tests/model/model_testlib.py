@@ -93,8 +93,8 @@ class TinyFamily:
             ids = torch.tensor([prompt])
             with torch.inference_mode():
                 out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                       min_new_tokens=max_new, do_sample=False, output_logits=True,
-                                       return_dict_in_generate=True)
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True)
+            assert out.sequences.shape[1] == len(prompt) + max_new   # no EOS configured: never stops early
             self._hf_cache[key] = (out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits, 0).float())
         return self._hf_cache[key]
 
@@ -163,7 +163,7 @@ def conveyor_greedy(model: ConveyorModel, prompts: list[list[int]], max_new: int
     ``i * stagger``; the per-step order of the work list is shuffled), or one after the other."""
     cfg = model.cfg
     tables, num_blocks = allocate_tables([len(p) + max_new for p in prompts], block_size, seed)
-    kv = KVCacheTensors(cfg, num_blocks, block_size)
+    kv = KVCacheTensors(cfg, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
     kv.data.normal_(generator=torch.Generator().manual_seed(seed))   # garbage: only written slots may be read
     seqs = [_Seq(p, max_new, t, i * stagger) for i, (p, t) in enumerate(zip(prompts, tables))]
     rng = random.Random(seed)
@@ -197,7 +197,7 @@ def conveyor_prompt_logits(model: ConveyorModel, prompts: list[list[int]], *, bl
     """Logits at every prompt position ([len, vocab] per prompt), prompts chunked and batched together."""
     cfg = model.cfg
     tables, num_blocks = allocate_tables([len(p) for p in prompts], block_size, seed)
-    kv = KVCacheTensors(cfg, num_blocks, block_size)
+    kv = KVCacheTensors(cfg, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
     kv.data.normal_(generator=torch.Generator().manual_seed(seed))
     done = [0] * len(prompts)
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]

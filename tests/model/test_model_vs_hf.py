@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from conveyor.model.config import ModelConfig
+from conveyor.model.loader import build_model, load_weights
 from model_testlib import LLAMA3_SCALING, assert_greedy_matches, conveyor_greedy, conveyor_prompt_logits
 from model_testlib import logit_atol, random_prompts
 
@@ -41,7 +42,7 @@ def test_config_parsed_from_hf(family):
     cfg, hf = family.cfg, family.hf.config
     assert cfg.model_type == hf.model_type
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (hf.num_attention_heads, hf.num_key_value_heads)
-    assert cfg.head_dim == getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
     assert cfg.attention_bias == (family.name == "qwen2")
@@ -110,3 +111,20 @@ def test_positions_past_llama3_original_context(tiny_models):
     want, want_logits = fam.hf_greedy(prompt, 16)
     assert_greedy_matches(got.tokens[0], want, got.logits[0], want_logits, "llama3 long prompt")
     torch.testing.assert_close(got.logits[0], want_logits, rtol=0, atol=logit_atol(want_logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk", [1, 7])   # chunk 1: every token after the first takes the decode path
+def test_half_precision(tiny_models, dtype, chunk):
+    """A bf16/fp16 model (KV cache in the same dtype) runs end to end and stays near fp32 HF.
+    Loose bound: bf16 keeps 8 mantissa bits (eps 7.8e-3), and weights, activations and the
+    cache are all rounded to it (measured: 1% of the logit scale for bf16, 0.13% for fp16);
+    5% still catches any structural error, which moves logits by O(100%)."""
+    fam = tiny_models("qwen3")
+    model = build_model(fam.cfg, load_weights(fam.path), dtype=dtype)
+    prompts = random_prompts([1, 23], seed=6)
+    for prompt, got in zip(prompts, conveyor_prompt_logits(model, prompts, block_size=16, chunk=chunk)):
+        assert got.dtype == dtype
+        with torch.inference_mode():
+            want = fam.hf(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05 * float(want.abs().max()))

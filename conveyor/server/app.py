@@ -1,0 +1,100 @@
+"""The FastAPI app: OpenAI-compatible routes, tokenizer routes, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from conveyor.engine.async_engine import EngineClient
+from conveyor.server.chat import create_chat_completion
+from conveyor.server.completions import create_completion
+from conveyor.server.errors import APIError, bad_request, install_error_handlers
+from conveyor.server.inputs import chat_prompt
+from conveyor.server.metrics import ServerMetrics, log_stats
+from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from conveyor.server.state import ServerState
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
+              shutdown_timeout: float = 30.0) -> FastAPI:
+    """An app serving `client`; on lifespan shutdown it shuts the engine down too."""
+    names = list(served_model_names or [client.model_name])
+    state = ServerState(client, names, ServerMetrics(client.stats, names[0]))
+    client.add_finished_listener(state.metrics.observe_finished)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        logger_task = asyncio.create_task(log_stats(client.stats, log_interval)) if log_interval > 0 else None
+        try:
+            yield
+        finally:
+            if logger_task is not None:
+                logger_task.cancel()
+            await client.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="Conveyor", summary="OpenAI-compatible LLM server", lifespan=lifespan)
+    app.state.conveyor = state
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)   # added last = runs first
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(state, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(state, body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[_card(state, n) for n in names])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        return _card(state, state.check_model(model))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.is_healthy:
+            return Response(status_code=200)
+        return APIError(503, "the engine is not running", code="unavailable").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(client, body.messages, body.add_generation_prompt).token_ids
+        else:
+            ids = client.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_model(body.model)
+        vocab = client.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens))
+
+    return app
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, root=state.client.model_name, max_model_len=state.client.max_model_len)

@@ -1,0 +1,102 @@
+"""POST /v1/chat/completions: the model's chat template, OpenAI chat responses and chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.server.completions import usage_of
+from conveyor.server.errors import APIError
+from conveyor.server.inputs import chat_prompt, chat_sampling, fit_to_context
+from conveyor.server.logprobs import chat_logprobs
+from conveyor.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage)
+from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
+                                     finish_reason, merged, sse, sse_error, submit)
+from conveyor.server.state import ServerState
+
+
+@dataclass(slots=True)
+class _Job:
+    id: str
+    created: int
+    model: str
+    n: int
+    num_logprobs: int | None
+
+    def chunk(self, choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
+    model = state.check_model(req.model)
+    params = chat_sampling(req)
+    prompt = chat_prompt(state.client, req.messages, req.add_generation_prompt)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = fit_to_context(state.client, prompt, params, "messages", max_param)
+    job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
+    streams = submit(state.client, job.id, [prompt], [params], req.priority)
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)
+
+    async def collect() -> RequestOutput:
+        try:
+            async for _, out in merged(streams):
+                check_output(out)
+                if out.finished:
+                    return out
+        finally:
+            abort(state.client, streams)
+        raise APIError(500, "the engine ended the request without a result")
+
+    final = await cancel_on_disconnect(raw, collect())
+    choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                          logprobs=_logprobs(state, job, c, 0), finish_reason=finish_reason(c.finish_reason))
+               for c in final.outputs]
+    body = ChatCompletionResponse(id=job.id, created=job.created, model=model, choices=choices,
+                                  usage=usage_of([final]))
+    return JSONResponse(body.model_dump())
+
+
+def _logprobs(state: ServerState, job: _Job, c: CompletionOutput, start: int) -> ChatChoiceLogprobs | None:
+    if job.num_logprobs is None:
+        return None
+    return ChatChoiceLogprobs(content=chat_logprobs(state.texts, c.token_ids[start:], (c.logprobs or [])[start:],
+                                                    job.num_logprobs))
+
+
+async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
+    done: set[int] = set()
+    final: RequestOutput | None = None
+    try:
+        for i in range(job.n):
+            yield job.chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for _, out in merged(streams):
+            check_output(out)
+            for c in out.outputs:
+                if c.index in done or not (c.delta_text or c.finished
+                                           or (job.num_logprobs is not None and c.delta_token_ids)):
+                    continue
+                if c.finished:
+                    done.add(c.index)
+                start = len(c.token_ids) - len(c.delta_token_ids)
+                delta = DeltaMessage(content=c.delta_text) if c.delta_text or not c.finished else DeltaMessage()
+                yield job.chunk(ChatStreamChoice(index=c.index, delta=delta, logprobs=_logprobs(state, job, c, start),
+                                                 finish_reason=finish_reason(c.finish_reason)))
+            if out.finished:
+                final = out
+        if include_usage and final is not None:
+            yield sse(ChatCompletionChunk(id=job.id, created=job.created, model=job.model, choices=[],
+                                          usage=usage_of([final])))
+    except APIError as e:
+        yield sse_error(e)
+    finally:
+        abort(state.client, streams)
+    yield DONE

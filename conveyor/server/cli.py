@@ -1,0 +1,78 @@
+"""`conveyor serve`: load the model, start the engine thread, serve the API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import signal
+
+# Extra seconds uvicorn waits for connections after the engine's own shutdown timeout.
+_BACKSTOP_S = 5
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from conveyor.cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              description="Serve a model over an OpenAI-compatible HTTP API "
+                                          "(/v1/completions, /v1/chat/completions, /metrics, ...).")
+    p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: the demo model)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    s.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on API routes (default: $CONVEYOR_API_KEY, else open)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients must send; the first is reported (default: the model's name)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="queued sequences beyond which new requests get 503 + Retry-After (0 = unbounded)")
+    s.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between stats log lines while busy (0 = off)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per HTTP request")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="log level of the server and engine")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from conveyor.cli import engine_config
+    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.server.app import build_app
+
+    class Server(uvicorn.Server):
+        """Drains the engine alongside uvicorn's own shutdown, so that in-flight streams finish,
+        or end with an error event and [DONE], before uvicorn's backstop cuts connections."""
+
+        async def shutdown(self, sockets=None) -> None:
+            drain = asyncio.create_task(engine.shutdown(args.shutdown_timeout))
+            await super().shutdown(sockets)
+            await drain
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine.from_config(engine_config(args), max_waiting=args.max_waiting or None)
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                    max_body_bytes=args.max_body_bytes, log_interval=args.log_interval,
+                    shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log,
+                            timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + _BACKSTOP_S)
+    server = Server(config)
+    # uvicorn re-raises the signal that stopped it once it is done; after a graceful shutdown
+    # that should be a clean exit (status 0), not death by SIGTERM.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    asyncio.run(server.serve())
+    engine.close()   # no-op if the lifespan already shut it down
+    return 0 if server.started else 1

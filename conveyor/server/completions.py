@@ -1,0 +1,109 @@
+"""POST /v1/completions: responses and SSE chunks in the OpenAI legacy completions format."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.server.errors import APIError
+from conveyor.server.inputs import completion_prompts, completion_sampling, fit_to_context
+from conveyor.server.logprobs import completion_logprobs
+from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
+                                      UsageInfo)
+from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
+                                     finish_reason, merged, sse, sse_error, submit)
+from conveyor.server.state import ServerState
+
+
+@dataclass(slots=True)
+class _Job:
+    id: str
+    created: int
+    model: str
+    n: int
+    num_logprobs: int | None
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    model = state.check_model(req.model)
+    params = completion_sampling(req)
+    prompts = completion_prompts(state.client, req.prompt)
+    per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
+    job = _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
+    streams = submit(state.client, job.id, prompts, per_prompt, req.priority)
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput] = [None] * len(streams)   # type: ignore[list-item]
+        try:
+            async for i, out in merged(streams):
+                check_output(out)
+                if out.finished:
+                    finals[i] = out
+        finally:
+            abort(state.client, streams)
+        return finals
+
+    finals = await cancel_on_disconnect(raw, collect())
+    return JSONResponse(_response(state, job, finals).model_dump())
+
+
+def _response(state: ServerState, job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
+    choices = []
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            lp = None
+            if job.num_logprobs is not None:
+                lp, _ = completion_logprobs(state.texts, c.token_ids, c.logprobs or [], job.num_logprobs)
+            choices.append(CompletionChoice(index=i * job.n + c.index, text=c.text, logprobs=lp,
+                                            finish_reason=finish_reason(c.finish_reason)))
+    return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
+                              usage=usage_of(finals))
+
+
+def usage_of(finals: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
+    offsets: dict[int, int] = {}
+    done: set[int] = set()
+    finals: list[RequestOutput] = []
+    try:
+        async for i, out in merged(streams):
+            check_output(out)
+            for c in out.outputs:
+                index = i * job.n + c.index
+                if index in done or not (c.delta_text or c.finished
+                                         or (job.num_logprobs is not None and c.delta_token_ids)):
+                    continue
+                if c.finished:
+                    done.add(index)
+                lp = None
+                if job.num_logprobs is not None:
+                    start = len(c.token_ids) - len(c.delta_token_ids)
+                    lp, offsets[index] = completion_logprobs(state.texts, c.delta_token_ids, c.logprobs[start:],
+                                                             job.num_logprobs, offsets.get(index, 0))
+                choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lp,
+                                          finish_reason=finish_reason(c.finish_reason))
+                yield sse(CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[choice]))
+            if out.finished:
+                finals.append(out)
+        if include_usage:
+            yield sse(CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[],
+                                      usage=usage_of(finals)))
+    except APIError as e:
+        yield sse_error(e)
+    finally:
+        abort(state.client, streams)
+    yield DONE

@@ -1,0 +1,150 @@
+"""Turn an API request into engine inputs: token ids per prompt and validated SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.engine.async_engine import EngineClient
+from conveyor.sampling.params import SamplingParams
+from conveyor.server.errors import APIError, bad_request
+from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+MAX_N = 16
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+    def engine_input(self) -> dict:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+def completion_prompts(client: EngineClient, prompt: str | list) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(prompt, str):
+        return [Prompt(prompt, client.tokenizer.encode(prompt))]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [Prompt(None, list(prompt))]
+    return [Prompt(p, client.tokenizer.encode(p)) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+
+
+def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"only text content parts are supported, got type {part.get('type')!r}",
+                                      f"{param}.{i}.content")
+                texts.append(part["text"])
+            d["content"] = "".join(texts)
+        out.append(d)
+    return out
+
+
+def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
+    tok = client.tokenizer
+    try:
+        text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt)
+    except Exception as e:   # noqa: BLE001 - a template raising on these messages is a bad request
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
+    return Prompt(text, tok.encode(text, add_special_tokens=False))
+
+
+# ---- sampling parameters -------------------------------------------------------------------
+
+def check_common(req: SamplingFields) -> None:
+    if req.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str,
+                    logprobs: int | None) -> SamplingParams:
+    """Build SamplingParams; their ValueError messages become 400s naming the parameter."""
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+
+    def given(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
+            top_k=given(req.top_k, 0), min_p=given(req.min_p, 0.0), seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, presence_penalty=given(req.presence_penalty, 0.0),
+            frequency_penalty=given(req.frequency_penalty, 0.0),
+            repetition_penalty=given(req.repetition_penalty, 1.0), ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+    except ValueError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        if param == "max_tokens":
+            param = max_tokens_param
+            message = message.replace("max_tokens", max_tokens_param, 1)
+        raise bad_request(message, param if param in type(req).model_fields else None) from e
+
+
+def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    check_common(req)
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    return sampling_params(req, req.max_tokens, "max_tokens", req.logprobs)
+
+
+def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
+    check_common(req)
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format type 'text' is supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return sampling_params(req, max_tokens, param, logprobs)
+
+
+# ---- context length -------------------------------------------------------------------------
+
+def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
+                   max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """Reject prompts (and prompt + max_tokens) longer than the context; fill in a missing max_tokens."""
+    limit, n = client.max_model_len, len(prompt.token_ids)
+    if n >= limit:
+        raise APIError(400, f"the prompt has {n} tokens, {n - limit + 1} more than this server's context "
+                            f"of {limit} tokens allows (prompt + at least one generated token)",
+                       param=prompt_param, code="context_length_exceeded")
+    try:
+        client.validate(prompt.token_ids, params)
+    except ValueError as e:
+        raise bad_request(str(e), prompt_param) from e
+    if params.max_tokens is None:
+        params = params.clone()
+        params.max_tokens = limit - n
+    elif n + params.max_tokens > limit:
+        raise APIError(400, f"this server's context is {limit} tokens, but {n + params.max_tokens} were "
+                            f"requested ({n} in the prompt, {params.max_tokens} for the completion): "
+                            f"{n + params.max_tokens - limit} too many; reduce the prompt or "
+                            f"{max_tokens_param}", param=max_tokens_param, code="context_length_exceeded")
+    return params

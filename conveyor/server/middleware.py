@@ -1,0 +1,76 @@
+"""Pure-ASGI middleware: request body size limit and API key check (they run before routing)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conveyor.server.errors import APIError
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`, by Content-Length or by the bytes actually streamed in.
+
+    The body is read here in full (the JSON routes need all of it anyway) and replayed to the
+    app; later receive() calls (http.disconnect) pass straight through.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":   # disconnected before the body was complete
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                       code="request_too_large")
+        await err.response()(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <api_key>`; paths in `open_paths` stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str] = ("/health", "/metrics")):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = set(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not secrets.compare_digest(given, self.expected):
+            err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await err.response()(scope, receive, send)
+        await self.app(scope, receive, send)

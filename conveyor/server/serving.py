@@ -1,0 +1,137 @@
+"""Plumbing shared by the completion routes: submit, merge streams, abort, SSE, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overloaded, RequestStream
+from conveyor.engine.outputs import RequestOutput
+from conveyor.sampling.params import SamplingParams
+from conveyor.server.errors import APIError
+from conveyor.server.inputs import Prompt
+
+T = TypeVar("T")
+
+RETRY_AFTER_S = 1
+DONE = "data: [DONE]\n\n"
+
+
+def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: list[SamplingParams],
+           priority: int) -> list[RequestStream]:
+    """One engine request per prompt (`base_id`-i); all or none: on failure the rest is aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(client.add_request(prompt.engine_input(), sp, rid, priority))
+    except Overloaded as e:
+        abort(client, streams)
+        raise APIError(503, f"the server is overloaded: {e}; retry later", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+    except EngineDeadError as e:
+        abort(client, streams)
+        raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+    return streams
+
+
+def abort(client: EngineClient, streams: list[RequestStream]) -> None:
+    for s in streams:
+        if not s.finished:
+            client.abort(s.request_id)
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream:
+            queue.put_nowait((i, out))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out = await queue.get()
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def check_output(out: RequestOutput) -> None:
+    """Raise the APIError an engine-side failure or a shutdown abort stands for."""
+    if out.error is not None:
+        raise APIError(500, f"the request failed in the engine: {out.error}")
+    if any(c.finish_reason == "abort" for c in out.outputs):
+        raise APIError(503, "the request was aborted: the server is shutting down", code="unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (its finally blocks abort requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and watcher.exception() is not None:   # cannot watch: just wait
+            await asyncio.wait({task})
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    return sse(err.body())
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # The engine's "stop" (eos, stop string or stop token) and "length" are the API's values.
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its engine requests however it ends, even before the
+    body generator first runs (a client gone before the headers were sent)."""
+
+    def __init__(self, content: AsyncIterator[str], client: EngineClient, streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._client, self._streams = client, streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            abort(self._client, self._streams)
