@@ -39,6 +39,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [D, max_blocks] long (padded with 0)
     bias: torch.Tensor          # [1, D, 1, max_context] float: 0, or -inf past a sequence's end
     max_context: int
+    context_lens: torch.Tensor  # [D] long
 
     @property
     def size(self) -> int:
@@ -82,6 +83,9 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
 class TorchPagedAttention:
     """Portable paged attention built from torch ops (CPU and CUDA)."""
 
+    # Decodes are gathered and padded per group, so grouping by context length pays off.
+    max_decode_groups = 4
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -123,3 +127,31 @@ class TorchPagedAttention:
         qh = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)   # [KVH, D, G, d]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=group.bias, scale=self.scale)
         return o.transpose(0, 1).reshape(d, -1)
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Decodes through the C++ kernel that reads K/V in place via the block tables;
+    prefills through the torch path (compute-bound, where SDPA is already efficient)."""
+
+    max_decode_groups = 1
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.kernels = kernels
+
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+        o = self.kernels.paged_decode(q.contiguous(), k_cache, v_cache, group.block_tables, group.context_lens,
+                                      self.scale)
+        return o.view(q.shape[0], -1)
+
+
+def make_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
+                           dtype: torch.dtype) -> TorchPagedAttention:
+    """The fastest backend available for the device and dtype, else the portable one."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        from conveyor.model.cpu_kernels import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None:
+            return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels)
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

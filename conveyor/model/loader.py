@@ -87,8 +87,11 @@ def read_config(directory: Path) -> ModelConfig:
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    from conveyor.model.attention import make_attention_backend
+
+    backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, backend)
     model = model.to_empty(device=device).to(dtype)
     model.rope.reset()
     model.rope.to(device)

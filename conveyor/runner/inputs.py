@@ -15,7 +15,6 @@ from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 # Decodes are grouped by context length so that padding to a group's longest context wastes
 # at most this fraction of the gathered KV; more groups cost more (small) kernel launches.
 _GROUP_MIN_FILL = 0.6
-_MAX_DECODE_GROUPS = 4
 
 
 @dataclass(slots=True)
@@ -38,7 +37,8 @@ class ModelInputs:
     sample_order: list[int]  # caller indices of the sequences whose logits rows are returned, in row order
 
 
-def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu") -> ModelInputs:
+def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
+                 max_decode_groups: int = 4) -> ModelInputs:
     """Lay out prefill chunks (len > 1 or with no cache) first, then single-token decodes
     sorted by context length, longest first."""
     is_decode = [len(w.token_ids) == 1 and w.num_cached > 0 for w in work]
@@ -70,7 +70,8 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
             mask = torch.arange(c + n, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
         prefills.append(PrefillSeq(int(starts[r]), n, c, torch.from_numpy(tables[r, :nblocks]).to(device), mask))
 
-    groups = _decode_groups(cached[n_pref:] + 1, tables[n_pref:], int(starts[n_pref]), block_size, device)
+    groups = _decode_groups(cached[n_pref:] + 1, tables[n_pref:], int(starts[n_pref]), block_size, device,
+                            max_decode_groups)
     meta = AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills, groups)
 
     sample_rows = [r for r, w in enumerate(seqs) if w.sample]
@@ -86,13 +87,13 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
 
 
 def _decode_groups(ctx: np.ndarray, tables: np.ndarray, start: int, block_size: int,
-                   device: torch.device | str) -> list[DecodeGroup]:
+                   device: torch.device | str, max_groups: int) -> list[DecodeGroup]:
     """Split decodes (sorted by context, longest first) into groups of similar length."""
     if len(ctx) == 0:
         return []
     bounds = [0]
     for i in range(1, len(ctx)):
-        if ctx[i] < _GROUP_MIN_FILL * ctx[bounds[-1]] and len(bounds) < _MAX_DECODE_GROUPS:
+        if ctx[i] < _GROUP_MIN_FILL * ctx[bounds[-1]] and len(bounds) < max_groups:
             bounds.append(i)
     bounds.append(len(ctx))
     groups = []
@@ -103,5 +104,6 @@ def _decode_groups(ctx: np.ndarray, tables: np.ndarray, start: int, block_size: 
         bias = np.where(np.arange(max_ctx)[None, :] < g_ctx[:, None], 0.0, -np.inf).astype(np.float32)
         groups.append(DecodeGroup(
             start + lo, torch.from_numpy(np.ascontiguousarray(tables[lo:hi, :nb])).to(device),
-            torch.from_numpy(bias).to(device).view(1, hi - lo, 1, max_ctx), max_ctx))
+            torch.from_numpy(bias).to(device).view(1, hi - lo, 1, max_ctx), max_ctx,
+            torch.from_numpy(np.ascontiguousarray(g_ctx)).to(device)))
     return groups

@@ -34,7 +34,7 @@ class ModelRunner:
         for s in out.scheduled:
             req, c = s.request, s.request.num_computed_tokens
             work.append(SeqWork(req.all_token_ids[c:c + s.num_tokens], c, s.block_table, s.sample))
-        inputs = build_inputs(work, self.block_size, self.device)
+        inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers, inputs.logits_indices)
         # Logit rows follow the model's layout; the scheduler expects scheduling order.
         row_of = {idx: r for r, idx in enumerate(inputs.sample_order)}

@@ -51,9 +51,9 @@ def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[
 
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-    tok = client.tokenizer
+    tok, dicts = client.tokenizer, message_dicts(messages)
     try:
-        text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     except Exception as e:   # noqa: BLE001 - a template raising on these messages is a bad request
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
     return Prompt(text, tok.encode(text, add_special_tokens=False))
@@ -73,8 +73,8 @@ def check_common(req: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str,
-                    logprobs: int | None) -> SamplingParams:
-    """Build SamplingParams; their ValueError messages become 400s naming the parameter."""
+                    logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
+    """Build SamplingParams; their ValueError messages become 400s naming the API parameter."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
 
@@ -94,10 +94,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
     except ValueError as e:
         message = str(e)
         param = message.split(" ", 1)[0]
-        if param == "max_tokens":
-            param = max_tokens_param
-            message = message.replace("max_tokens", max_tokens_param, 1)
-        raise bad_request(message, param if param in type(req).model_fields else None) from e
+        api_name = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(param, param)
+        if api_name != param:
+            message = message.replace(param, api_name, 1)
+        raise bad_request(message, api_name if api_name in type(req).model_fields else None) from e
 
 
 def completion_sampling(req: CompletionRequest) -> SamplingParams:
@@ -122,7 +122,7 @@ def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return sampling_params(req, max_tokens, param, logprobs)
+    return sampling_params(req, max_tokens, param, logprobs, "top_logprobs")
 
 
 # ---- context length -------------------------------------------------------------------------

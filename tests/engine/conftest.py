@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.model.attention import make_attention_backend
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.loader import LoadedModel, demo_model_path
@@ -21,7 +22,9 @@ TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermedi
 
 def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(TINY)
+    backend = make_attention_backend(TINY.num_attention_heads, TINY.num_key_value_heads, TINY.head_dim,
+                                     "cpu", torch.float32)  # the C++ decode kernel when it builds
+    model = LlamaForCausalLM(TINY, backend)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,49 @@
+"""The C++ decode kernel equals the portable torch path (and is picked by default on CPU fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conveyor.model.attention import CpuPagedAttention, TorchPagedAttention, make_attention_backend
+from conveyor.model.cpu_kernels import load_cpu_kernels
+from conveyor.runner.inputs import SeqWork, build_inputs
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128), (6, 2, 32)])
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, block_size):
+    rng = random.Random(heads * 1000 + block_size)
+    g = torch.Generator().manual_seed(block_size)
+    lens = [rng.randint(1, 300) for _ in range(7)] + [1, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    work, at = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        work.append(SeqWork([0], n - 1, ids[at:at + nb]))
+        at += nb
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    k = torch.randn(len(lens), kv_heads, head_dim, generator=g)
+    v = torch.randn(len(lens), kv_heads, head_dim, generator=g)
+    outs = []
+    for backend in (TorchPagedAttention(heads, kv_heads, head_dim),
+                    CpuPagedAttention(heads, kv_heads, head_dim, kernels)):
+        inputs = build_inputs(work, block_size, max_decode_groups=backend.max_decode_groups)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        perm = torch.tensor(inputs.order)
+        outs.append(backend(q[perm], k[perm], v[perm], kc, vc, inputs.meta))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+
+
+def test_default_backend_on_cpu_is_the_kernel():
+    assert isinstance(make_attention_backend(4, 2, 16, "cpu", torch.float32), CpuPagedAttention)
+    assert type(make_attention_backend(4, 2, 16, "cpu", torch.bfloat16)) is TorchPagedAttention

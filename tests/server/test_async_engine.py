@@ -1,0 +1,131 @@
+"""AsyncEngine on its own: streams, abort at any time, bounded waiting, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded
+from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.config import SchedulerConfig
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+
+
+def make(demo_model, max_waiting=None, max_num_seqs=8) -> AsyncEngine:
+    config = EngineConfig(num_kv_blocks=64, block_size=16,
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256))
+    return AsyncEngine(Engine(config, loaded=demo_model), max_waiting=max_waiting)
+
+
+async def drain(stream) -> list:
+    return [out async for out in stream]
+
+
+def test_stream_matches_offline_engine(demo_model):
+    offline = Engine(EngineConfig(num_kv_blocks=64, block_size=16), loaded=demo_model)
+    offline.add_request("Hello there", GREEDY)
+    expected = None
+    while offline.has_unfinished_requests():
+        for out in offline.step():
+            expected = out
+    engine = make(demo_model)
+
+    async def main():
+        outs = await drain(engine.add_request("Hello there", GREEDY, "r1"))
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    assert outs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert "".join(o.outputs[0].delta_text for o in outs) == expected.outputs[0].text
+    assert not engine.is_healthy   # shut down
+
+
+def test_abort_before_and_during_run_frees_blocks(demo_model):
+    engine = make(demo_model)
+
+    async def main():
+        early = engine.add_request("Never runs", LONG, "early")
+        engine.abort("early")
+        late = engine.add_request("Runs a bit", LONG, "late")
+        first = await late.__anext__()
+        assert not first.finished and engine.stats()["kv_usage"] > 0
+        engine.abort("late")
+        rest = await drain(late)
+        early_outs = await drain(early)
+        return rest, early_outs
+
+    rest, early_outs = asyncio.run(main())
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert early_outs[-1].outputs[0].finish_reason == "abort"
+    deadline = time.monotonic() + 10
+    while engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = engine.stats()
+    assert stats["kv_usage"] == 0.0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_unfinished_requests"] == 0
+    engine.close()
+
+
+def test_overloaded_when_waiting_is_full(demo_model):
+    engine = make(demo_model, max_waiting=2, max_num_seqs=1)
+
+    async def main():
+        streams = [engine.add_request("a", GREEDY, "a"), engine.add_request("b", GREEDY, "b")]
+        with pytest.raises(Overloaded):
+            engine.add_request("c", GREEDY, "c")
+        outs = [await drain(s) for s in streams]
+        # Once the queue drains, requests are accepted again.
+        outs.append(await drain(engine.add_request("d", GREEDY, "d")))
+        await engine.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(o[-1].outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_shutdown_lets_requests_finish_then_aborts(demo_model):
+    engine = make(demo_model)
+
+    async def main():
+        short = engine.add_request("short", GREEDY, "short")
+        long = engine.add_request("long", LONG, "long")
+        t0 = time.monotonic()
+        await engine.shutdown(timeout=1.0)
+        elapsed = time.monotonic() - t0
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", GREEDY, "late")
+        return await drain(short), await drain(long), elapsed
+
+    short, long, elapsed = asyncio.run(main())
+    assert short[-1].outputs[0].finish_reason == "length"
+    assert long[-1].outputs[0].finish_reason == "abort"
+    assert 0.9 <= elapsed < 10
+    assert not engine.is_healthy
+
+
+def test_invalid_request_ends_with_error(demo_model):
+    engine = make(demo_model)
+
+    async def main():
+        outs = await drain(engine.add_request([], GREEDY, "empty"))
+        dup = engine.add_request("x", LONG, "same")
+        dup2 = engine.add_request("x", GREEDY, "same")   # duplicate id: fails alone, the first runs on
+        second = await drain(dup2)
+        engine.abort("same")
+        first = await drain(dup)
+        await engine.shutdown()
+        return outs, first, second
+
+    outs, first, second = asyncio.run(main())
+    assert outs[-1].error and "empty" in outs[-1].error
+    assert second[-1].error and "duplicate" in second[-1].error
+    assert first[-1].outputs[0].finish_reason == "abort"
