@@ -58,6 +58,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise ValueError(f"{path} has no tokenizer.json (Conveyor needs the fast-tokenizer file)")
         backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         special = {name: _token_content(config.get(name))
@@ -102,6 +104,19 @@ class Tokenizer:
                    eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
                    add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                    chat_template=meta.get("tokenizer.chat_template"), special_tokens=special)
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json (eos ids),
+        which ``from_hf_dir`` reads back into an identical tokenizer."""
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {**self.special_tokens, "add_bos_token": self.add_bos_token}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        gen = _read_json(directory / "generation_config.json")
+        gen["eos_token_id"] = list(self.eos_token_ids)
+        (directory / "generation_config.json").write_text(json.dumps(gen, indent=1))
 
     # ---- encode / decode ----
 

@@ -37,9 +37,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CONVEYOR_CACHE_DIR", Path.home() / ".cache" / "conveyor"))
 
 
+_CONVERSION_VERSION = 2   # bump when the cached layout changes
+
+
 def _file_key(path: Path) -> str:
     st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    h = hashlib.sha256(f"{_CONVERSION_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
     return h.hexdigest()[:16]
@@ -111,13 +114,17 @@ def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def convert_gguf(path: str | Path) -> Path:
-    """Convert a GGUF file into a cached HF-style directory (config.json + model.safetensors)."""
+    """Convert a GGUF file into a cached HF-style directory: config.json, model.safetensors and
+    the tokenizer files (so that a cached load does not even parse the GGUF metadata again)."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
 
+    from conveyor.tokenizer import Tokenizer
+
     path = Path(path)
     target = cache_dir() / f"{path.stem}-{_file_key(path)}"
-    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+    marker = target / "conversion.json"   # written last: its presence means the cache is complete
+    if marker.exists():
         return target
     try:
         reader = GGUFReader(path)
@@ -130,4 +137,7 @@ def convert_gguf(path: str | Path) -> Path:
     save_file(tensors, str(tmp))
     os.replace(tmp, target / "model.safetensors")
     (target / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    if "tokenizer.ggml.model" in reader.fields:
+        Tokenizer.from_gguf(reader).save(target)
+    marker.write_text(json.dumps({"source": str(path.resolve()), "version": _CONVERSION_VERSION}))
     return target

@@ -118,7 +118,7 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
         raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
     directory = convert_gguf(path) if is_gguf else path
     cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
-    tokenizer = Tokenizer.from_gguf(path) if is_gguf else Tokenizer.from_hf_dir(path)
+    tokenizer = Tokenizer.from_hf_dir(directory)  # a GGUF's tokenizer is cached beside its weights
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
     net = build_model(cfg, load_weights(directory), device, dtype)

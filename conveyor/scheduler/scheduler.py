@@ -146,9 +146,12 @@ class Scheduler:
         return True
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        head = self.waiting.peek()
         for req in sorted(self.swapped, key=victim_key):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if head is not None and victim_key(head) < victim_key(req):
+                break   # a better-ranked waiting request gets the room first
             held = len(self.kv.host_tables[req.request_id])
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
             extra = self.kv.blocks_for(req.num_computed_tokens + n) - held
