@@ -219,8 +219,8 @@ class Scheduler:
         """A waiting request of higher priority pushes out the lowest-priority running one."""
         while self.running:
             head = self.waiting.peek()
-            if head is None:
-                return
+            if head is None or self._waits_for_leader(head):
+                return   # a head held back for its leader's prefill would not use the room
             worst = max(self.running, key=victim_key)
             if worst.priority <= head.priority:
                 return
@@ -257,8 +257,8 @@ class Scheduler:
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = req.prefill_leader
-        if leader is None or leader.is_finished:
-            return False
+        if leader is None or leader.is_finished or not self.kv.pool.enable_caching:
+            return False   # without the prefix cache there is nothing to share: no reason to wait
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _resume(self, req: Request) -> None:
@@ -271,7 +271,9 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         sample = req.num_computed_tokens + n == req.num_tokens
         out.scheduled.append(ScheduledSeq(req, n, self.kv.block_table(req.request_id), sample))
-        if req.num_tokens - req.num_computed_tokens == 1:
+        # A decode computes the KV of the latest sampled token; everything else (prompt chunks,
+        # recomputation after preemption) counts as prefill.
+        if sample and n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_prompt_tokens:
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
