@@ -20,7 +20,7 @@ def _cpu_flags() -> list[str]:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return [f"-m{f}" for f in ("avx2", "fma", "f16c") if f in flags]
+    return [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
 
 
 @cache
@@ -32,7 +32,7 @@ def load_cpu_kernels():
         from torch.utils.cpp_extension import load
 
         return load(name="conveyor_paged_attention_cpu", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
         return None

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -55,11 +54,16 @@ void decode_impl(const float* q, const float* kc, const float* vc, const int64_t
             }
             for (int64_t g = 0; g < G; ++g) {
                 float* sg = scores.data() + g * L;
-                float mx = -std::numeric_limits<float>::infinity();
-                for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sg[t]);
+                float mx = sg[0];  // L >= 1; no infinities needed (the file may build with -ffast-math)
+                for (int64_t t = 1; t < L; ++t) mx = std::max(mx, sg[t]);
                 float sum = 0.f;
-                for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < L; ++t) {
+                    sg[t] = std::exp(sg[t] - mx);
+                    sum += sg[t];
+                }
                 const float inv = 1.f / sum;
+#pragma omp simd
                 for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
             }
             acc.assign(G * d, 0.f);
