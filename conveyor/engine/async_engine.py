@@ -143,6 +143,7 @@ class AsyncEngine:
         self._accepting = True
         self._error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}   # engine thread only
+        self._step_time_total = 0.0                      # engine thread only
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
         self._thread.start()
 
@@ -187,11 +188,8 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting and self.is_healthy
+        """Running and accepting requests (False from the start of a shutdown)."""
+        return self._accepting and self._error is None and self._thread.is_alive()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest."""
@@ -258,11 +256,13 @@ class AsyncEngine:
             if isinstance(c, _Add):
                 added += c.params.n
                 rid = c.stream.request_id
-                self._streams[rid] = c.stream
                 try:
+                    if rid in self._streams:
+                        raise ValueError(f"duplicate request id {rid!r}")
                     self.engine.add_request(c.prompt, c.params, rid, c.priority, c.arrival_time)
+                    self._streams[rid] = c.stream
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    self._deliver([_error_output(rid, str(e))])
+                    self._send([(c.stream, _error_output(rid, str(e)))])
             elif isinstance(c, _Abort):
                 self.engine.abort_request(c.request_id)
         return added
@@ -274,7 +274,9 @@ class AsyncEngine:
     def _step(self, added: int) -> bool:
         """One engine step; publishes stats and delivers outputs. Returns True if it stalled."""
         outputs = self.engine.step()
+        self._step_time_total += self.engine.last_step_time
         stats = self.engine.stats()
+        stats["step_time_total"] = self._step_time_total   # seconds inside Engine.step(), all steps
         with self._cv:
             self._shared.pending_seqs -= added
             self._shared.stats = stats
@@ -282,16 +284,21 @@ class AsyncEngine:
         return not outputs and stats["step_prefill_tokens"] + stats["step_decode_tokens"] == 0
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        finished = 0
+        items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-                finished += 1
+            items.append((stream, out))
+        self._send(items)
+
+    def _send(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for stream, out in items:
             by_loop.setdefault(stream.loop, []).append((stream, out))
+        finished = sum(1 for _, out in items if out.finished)
         if finished:
             with self._cv:
                 self._shared.num_unfinished -= finished
@@ -316,10 +323,10 @@ class AsyncEngine:
         with self._cv:
             commands = list(self._shared.commands)
             self._shared.commands.clear()
-        for c in commands:
-            if isinstance(c, _Add):
-                self._streams[c.stream.request_id] = c.stream
-        self._deliver([_error_output(rid, f"the engine loop failed: {error!r}") for rid in self._streams])
+        message = f"the engine loop failed: {error!r}"
+        streams = list(self._streams.values()) + [c.stream for c in commands if isinstance(c, _Add)]
+        self._streams.clear()
+        self._send([(s, _error_output(s.request_id, message)) for s in streams])
 
 
 def _error_output(request_id: str, message: str) -> RequestOutput:

@@ -72,6 +72,9 @@ class Engine:
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
         num_host = int(config.swap_space_gib * GIB // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
+        # A sequence can never outgrow the whole cache: cap its length there so that a lone
+        # request always fits (else it would preempt itself forever).
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
         self._rng = random.Random(config.seed)
@@ -95,8 +98,9 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {n} tokens, {n - self.max_model_len + 1} more than this model's context "
-                f"of {self.max_model_len} allows (prompt + at least one generated token)")
+                f"the prompt has {n} tokens, {n - self.max_model_len + 1} more than the context of "
+                f"{self.max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
+                f"smaller of the model's context and the KV cache)")
         need = self.kv.blocks_for(n + 1)
         if need > self.kv.num_blocks:
             raise InvalidRequestError(

@@ -147,6 +147,8 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         head = self.waiting.peek()
+        if head is not None and self._waits_for_leader(head):
+            head = None   # held back this step anyway (see _admit)
         for req in sorted(self.swapped, key=victim_key):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -329,6 +331,7 @@ class Scheduler:
 
     def stats_dict(self) -> dict:
         d = asdict(self.stats)
+        d.update(num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped))
         pool = self.kv.pool.stats
         d.update(kv_usage=self.kv.usage, num_kv_blocks=self.kv.num_blocks,
                  num_free_kv_blocks=self.kv.num_free_blocks,

@@ -48,7 +48,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("loc") == ("body",):
-        return f"the body must be a JSON object: {first.get('msg')}", None
+        return ("the body must be a JSON object, sent with Content-Type: application/json "
+                f"({first.get('msg')})"), None
     # A union field (e.g. prompt) fails once per alternative; report the field, not each alternative.
     fields = [next((str(p) for p in e.get("loc", ()) if p != "body"), None) for e in errors]
     param = fields[0]

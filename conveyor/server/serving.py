@@ -11,6 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overloaded, RequestStream
 from conveyor.engine.outputs import RequestOutput
@@ -130,7 +131,7 @@ class EngineStreamingResponse(StreamingResponse):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._client, self._streams = client, streams
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -143,3 +143,13 @@ def test_finished_requests_leave_in_the_same_step(make_engine):
     assert out.finished and len(out.outputs[0].token_ids) == 2
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_a_request_cannot_outgrow_the_whole_cache(make_engine):
+    # 4 blocks of 16 tokens: prompt 10 + max_tokens 100 would need 7 blocks. The request is
+    # capped at the cache size and finishes by length instead of preempting itself forever.
+    engine = make_engine(num_kv_blocks=4, block_size=16)
+    (out,) = run_all(engine, [list(range(10))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 10
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -129,3 +130,21 @@ def test_invalid_request_ends_with_error(demo_model):
     assert outs[-1].error and "empty" in outs[-1].error
     assert second[-1].error and "duplicate" in second[-1].error
     assert first[-1].outputs[0].finish_reason == "abort"
+
+
+def test_idle_loop_sleeps(demo_model):
+    engine = make(demo_model)
+
+    def cpu() -> float:   # the engine thread's CPU seconds, from /proc
+        fields = open(f"/proc/self/task/{engine._thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    async def one():
+        return await drain(engine.add_request("hi", GREEDY, "x"))
+
+    asyncio.run(one())
+    time.sleep(0.1)
+    before = cpu()
+    time.sleep(1.0)
+    assert cpu() - before < 0.05   # waiting on the condition, not spinning
+    engine.close()
