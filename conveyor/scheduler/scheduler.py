@@ -64,6 +64,10 @@ class Scheduler:
         if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks for its prompt, the whole cache has "
                              f"{self.kv.num_blocks}")
+        # Nothing can outgrow the whole cache: cap there so a lone request always fits
+        # (else it would preempt itself forever).
+        capacity = self.kv.num_blocks * self.kv.block_size
+        request.max_model_len = min(request.max_model_len or capacity, capacity)
         request.arrival_seq = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
@@ -120,7 +124,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled: set[str] = set()
+        scheduled: dict[str, ScheduledSeq] = {}
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
@@ -129,21 +133,28 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
-            if self._grow(req, n, scheduled, out):
-                self._add(out, req, n)
-                scheduled.add(req.request_id)
+            ok, returned = self._grow(req, n, scheduled, out)
+            budget += returned
+            if ok:
+                scheduled[req.request_id] = self._add(out, req, n)
                 budget -= n
         return budget
 
-    def _grow(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
-        """Allocate room for n more tokens, preempting others (or req itself) if memory is short."""
+    def _grow(self, req: Request, n: int, scheduled: dict[str, ScheduledSeq],
+              out: SchedulerOutput) -> tuple[bool, int]:
+        """Allocate room for n more tokens, preempting lower-ranked requests (or req itself)
+        if memory is short. A victim already scheduled in this step is taken out of the step
+        again, so a high-priority prefill never gives way to a low-priority decode.
+        Returns (success, tokens of budget given back by un-scheduled victims)."""
+        returned = 0
         while not self.kv.allocate(req, n):
-            candidates = [r for r in self.running if r.request_id not in scheduled]
-            victim = choose_victim(candidates, req, self.step, self.config.min_resident_steps)
+            victim = choose_victim(self.running, req, self.step, self.config.min_resident_steps)
+            if victim.request_id in scheduled:
+                returned += self._unschedule(out, scheduled.pop(victim.request_id))
             self._preempt(victim, out)
             if victim is req:
-                return False
-        return True
+                return False, returned
+        return True, returned
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         head = self.waiting.peek()
@@ -218,20 +229,44 @@ class Scheduler:
             self._resume(req)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """A waiting request of higher priority pushes out the lowest-priority running one."""
-        while self.running:
-            head = self.waiting.peek()
-            if head is None or self._waits_for_leader(head):
-                return   # a head held back for its leader's prefill would not use the room
-            worst = max(self.running, key=victim_key)
-            if worst.priority <= head.priority:
-                return
-            full = len(self.running) >= self.config.max_num_seqs
-            no_room = self.kv.blocks_for(head.num_tokens + 1) > self.kv.num_free_blocks
-            if not (full or no_room) or self.step - worst.resumed_step < self.config.min_resident_steps:
-                return
-            self._preempt(worst, out)
+        """A waiting request of better priority takes the place of worse-ranked running ones.
+
+        Victims (worse priority, past their residency) are taken worst-first until the head
+        would pass the admission check; if even all of them would not make room, nobody is
+        preempted (their work would be lost for nothing).
+        """
+        head = self.waiting.peek()
+        if head is None or self._waits_for_leader(head):
+            return   # a head held back for its leader's prefill would not use the room
+        victims = sorted((r for r in self.running if r.priority > head.priority
+                          and self.step - r.resumed_step >= self.config.min_resident_steps),
+                         key=victim_key, reverse=True)
+        if not victims:
+            return
+        need_slot = len(self.running) >= self.config.max_num_seqs
+        shortfall = self._admission_shortfall(head)
+        if not need_slot and shortfall <= 0:
+            return
+        chosen, freed = [], 0
+        for v in victims:
+            if (chosen or not need_slot) and freed >= shortfall:
+                break
+            chosen.append(v)
+            freed += self.kv.num_held(v.request_id) + self._future_blocks(v)
+        if freed < shortfall:
+            return
+        for v in chosen:
+            self._preempt(v, out)
             self.stats.num_priority_preemptions += 1
+
+    def _admission_shortfall(self, req: Request) -> int:
+        """Blocks missing for req to pass _admit's check now (<= 0: it would be admitted)."""
+        cached = self.kv.find_cached_prefix(req)
+        revived = sum(1 for b in cached if self.kv.pool.blocks[b].ref_count == 0)
+        lifetime = self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + revived
+        reserved = sum(self._future_blocks(r) for r in self.running)
+        buffer = int(self.admission.buffer_fraction * self.kv.num_blocks)
+        return lifetime + reserved + buffer - self.kv.num_free_blocks
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -270,15 +305,30 @@ class Scheduler:
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
 
-    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        sample = req.num_computed_tokens + n == req.num_tokens
-        out.scheduled.append(ScheduledSeq(req, n, self.kv.block_table(req.request_id), sample))
+    @staticmethod
+    def _is_decode(req: Request, n: int) -> bool:
         # A decode computes the KV of the latest sampled token; everything else (prompt chunks,
         # recomputation after preemption) counts as prefill.
-        if sample and n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+        return (n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
+                and req.num_computed_tokens >= req.num_prompt_tokens)
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> ScheduledSeq:
+        sample = req.num_computed_tokens + n == req.num_tokens
+        seq = ScheduledSeq(req, n, self.kv.block_table(req.request_id), sample)
+        out.scheduled.append(seq)
+        if self._is_decode(req, n):
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
+        return seq
+
+    def _unschedule(self, out: SchedulerOutput, seq: ScheduledSeq) -> int:
+        out.scheduled.remove(seq)
+        if self._is_decode(seq.request, seq.num_tokens):
+            out.num_decode_tokens -= seq.num_tokens
+        else:
+            out.num_prefill_tokens -= seq.num_tokens
+        return seq.num_tokens
 
     def _record(self, out: SchedulerOutput) -> None:
         s = self.stats

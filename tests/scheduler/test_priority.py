@@ -201,10 +201,6 @@ def test_swapped_lower_priority_does_not_take_the_room_of_a_waiting_higher_prior
     assert h.metrics.finished_time < b.metrics.finished_time
 
 
-@pytest.mark.xfail(reason="_preempt_for_priority only checks max_num_seqs / raw room for the head's prompt, "
-                          "not the admission policy: the victim is preempted, then _admit defers the head "
-                          "(conservative/predictive), so the victim's work is lost and neither runs",
-                   strict=False)
 def test_priority_preemption_is_not_wasted_when_the_head_is_then_deferred():
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, admission_policy="conservative",
                           min_resident_steps=2)
@@ -220,10 +216,6 @@ def test_priority_preemption_is_not_wasted_when_the_head_is_then_deferred():
     assert "H" in ran or sim.sched.stats.num_priority_preemptions == 0
 
 
-@pytest.mark.xfail(reason="running decodes are scheduled before running prefills regardless of priority, and "
-                          "_grow never evicts a request already scheduled this step: a priority-0 request in "
-                          "chunked prefill preempts itself (losing its computed prefix under recompute) while "
-                          "a priority-1 decode runs in the same step", strict=False)
 def test_high_priority_prefill_does_not_give_way_to_a_lower_priority_decode():
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, long_prefill_token_threshold=2,
                           admission_policy="optimistic", min_resident_steps=0)

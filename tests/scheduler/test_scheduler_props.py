@@ -466,9 +466,6 @@ def test_static_policy_runs_one_batch_at_a_time():
             assert set(entry.scheduled) <= batch
 
 
-@pytest.mark.xfail(reason="BUG: add_request only checks that prompt + 1 token fits the cache; a request "
-                   "whose prompt + max_tokens needs more blocks than the cache has preempts itself "
-                   "forever (recompute) or stays swapped forever (swap)", strict=False)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_request_larger_than_the_cache_is_reported(mode):
     """A lone request whose prompt + max_tokens cannot fit in the whole cache must still end
