@@ -69,7 +69,7 @@ def main() -> None:
 
             def run_hf():
                 hf(step_ids, past_key_values=cache, use_cache=True)
-                cache.crop(ctx)
+                cache.crop(-1)   # drop the token just added: every call decodes at the same context
 
             def run_ours():
                 ours(inp.input_ids, inp.positions, inp.meta, kv.layers, inp.logits_indices)

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
-exec .venv/bin/python -m pytest tests "$@"
+. .venv/bin/activate
+exec python -m pytest tests "$@"

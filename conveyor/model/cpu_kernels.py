@@ -1,7 +1,8 @@
-"""The optional C++ CPU kernels, compiled on first use with torch's JIT extension builder.
+"""The optional C++ CPU kernels (paged decode attention and fused elementwise ops), compiled
+on first use with torch's JIT extension builder (cached under ~/.cache/torch_extensions).
 
 If compilation is impossible (no compiler, no ninja) the portable torch path is used.
-Set CONVEYOR_ATTENTION=torch to force the portable path.
+Set CONVEYOR_KERNELS=torch to force the portable path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from functools import cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
 
 
 def _cpu_flags() -> list[str]:
@@ -26,13 +28,26 @@ def _cpu_flags() -> list[str]:
 @cache
 def load_cpu_kernels():
     """The compiled module, or None when unavailable or disabled."""
-    if os.environ.get("CONVEYOR_ATTENTION", "auto") == "torch":
+    if os.environ.get("CONVEYOR_KERNELS", "auto") == "torch":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="conveyor_paged_attention_cpu", sources=[str(_SRC)],
+        _put_ninja_on_path()
+
+        return load(name="conveyor_cpu_kernels", sources=[str(p) for p in _SOURCES],
                     extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch looks for `ninja` on PATH; the pip package's binary may not be there (venv not activated)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

@@ -15,17 +15,22 @@ from torch import nn
 
 from conveyor.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from conveyor.model.config import ModelConfig
+from conveyor.model.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: TorchOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place); returns the norm of the new residual."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -50,9 +55,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE, the layout of HF checkpoints."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
         self.cfg = cfg
+        self.ops = ops
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset()
@@ -64,26 +70,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, rope_inv_freq(self.cfg))
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Tables stay fp32; cast like HF so that bf16/fp16 q and k keep their dtype.
-        cos = self.cos[positions].unsqueeze(1).to(xs[0].dtype)   # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1).to(xs[0].dtype)
-        out = []
-        for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return tuple(out)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Tables stay fp32; the torch path casts them like HF so bf16/fp16 q and k keep their dtype.
+        return self.ops.rope(q, k, positions, self.cos, self.sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.attn = backend
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -100,39 +100,46 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
+        self.ops = ops
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, backend, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, meta):
+        """Pre-norm block with the residual stream carried separately, so each residual add is
+        fused into the next norm: returns (block output, residual before adding it)."""
+        h = self.input_layernorm(x) if residual is None else self.input_layernorm.add_forward(x, residual)
+        residual = x if residual is None else residual
+        h = self.self_attn(h, positions, rope, kv_cache, meta)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchOps | None = None):
         super().__init__()
         self.cfg = cfg
+        ops = ops or TorchOps()
+        self.ops = ops
         backend = backend or TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.attn_backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg, ops)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
@@ -144,9 +151,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, positions, self.rope, kv, meta)
+        x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
+        x = self.norm(x)
         return F.linear(x, self.lm_head_weight())
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

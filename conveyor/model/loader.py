@@ -88,10 +88,11 @@ def read_config(directory: Path) -> ModelConfig:
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     from conveyor.model.attention import make_attention_backend
+    from conveyor.model.ops import make_ops
 
     backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, make_ops(device, dtype))
     model = model.to_empty(device=device).to(dtype)
     model.rope.reset()
     model.rope.to(device)

@@ -10,6 +10,7 @@ import torch
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.model.attention import make_attention_backend
 from conveyor.model.config import ModelConfig
+from conveyor.model.ops import make_ops
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.loader import LoadedModel, demo_model_path
 from conveyor.scheduler.config import SchedulerConfig
@@ -24,7 +25,7 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     backend = make_attention_backend(TINY.num_attention_heads, TINY.num_key_value_heads, TINY.head_dim,
                                      "cpu", torch.float32)  # the C++ decode kernel when it builds
-    model = LlamaForCausalLM(TINY, backend)
+    model = LlamaForCausalLM(TINY, backend, make_ops("cpu", torch.float32))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -101,7 +101,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     else run(decode_impl<0>);
     return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("paged_decode", &paged_decode, "paged attention decode (CPU, fp32)");
-}

