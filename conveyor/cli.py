@@ -1,4 +1,4 @@
-"""`conveyor` command line: generate (offline batch) and serve (OpenAI-compatible HTTP)."""
+"""`conveyor` command line: generate (offline batch), serve (OpenAI-compatible HTTP) and bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from conveyor.bench.serve import add_parser as add_serve_bench_parser
 from conveyor.server.cli import add_serve_parser
 
 
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    add_serve_bench_parser(bench)
     return parser
 
 
