@@ -34,12 +34,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads for torch (default: all cores; 1 can be faster when other work shares them)")
 
 
 def engine_config(args: argparse.Namespace):
     from conveyor.engine.engine import EngineConfig
     from conveyor.scheduler.config import SchedulerConfig
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             preemption_mode=args.preemption_mode, admission_policy=args.admission_policy,
                             scheduling_policy=args.scheduling_policy, admission_quantile=args.admission_quantile,
