@@ -133,9 +133,7 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
-        # A sequence must fit the whole KV cache: one that outgrows it can never be scheduled again.
-        kv_tokens = engine.stats()["num_kv_blocks"] * engine.config.block_size
-        self.max_model_len = min(engine.max_model_len, kv_tokens)
+        self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
         self.max_waiting = max_waiting
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._cv = threading.Condition()

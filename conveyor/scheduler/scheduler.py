@@ -192,8 +192,7 @@ class Scheduler:
                 held_back.append(self.waiting.pop())
                 continue
             cached = self.kv.find_cached_prefix(req)
-            revived = sum(1 for b in cached if self.kv.pool.blocks[b].ref_count == 0)
-            lifetime = self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + revived
+            lifetime = self._lifetime_blocks(req, cached)
             if self.running and lifetime + reserved + buffer > self.kv.num_free_blocks:
                 self.stats.admission_deferrals += 1
                 break
@@ -261,9 +260,7 @@ class Scheduler:
 
     def _admission_shortfall(self, req: Request) -> int:
         """Blocks missing for req to pass _admit's check now (<= 0: it would be admitted)."""
-        cached = self.kv.find_cached_prefix(req)
-        revived = sum(1 for b in cached if self.kv.pool.blocks[b].ref_count == 0)
-        lifetime = self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + revived
+        lifetime = self._lifetime_blocks(req, self.kv.find_cached_prefix(req))
         reserved = sum(self._future_blocks(r) for r in self.running)
         buffer = int(self.admission.buffer_fraction * self.kv.num_blocks)
         return lifetime + reserved + buffer - self.kv.num_free_blocks
@@ -288,6 +285,12 @@ class Scheduler:
         self.stats.num_preemptions += 1
 
     # ---- helpers -------------------------------------------------------------------------
+    def _lifetime_blocks(self, req: Request, cached: list[int]) -> int:
+        """New free blocks a waiting request is predicted to take over its life: its predicted
+        length, less shared prefix-cache hits, plus hits that must be revived from the free queue."""
+        revived = sum(1 for b in cached if self.kv.pool.blocks[b].ref_count == 0)
+        return self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + revived
+
     def _future_blocks(self, req: Request) -> int:
         """Blocks the request is predicted to still need beyond what it holds."""
         return max(0, self.kv.blocks_for(self.admission.predicted_total(req)) - self.kv.num_held(req.request_id))
