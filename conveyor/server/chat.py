@@ -18,18 +18,12 @@ from conveyor.server.logprobs import chat_logprobs
 from conveyor.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage)
 from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
-                                     finish_reason, merged, sse, sse_error, submit)
+                                     Job, finish_reason, merged, sse, sse_error, submit)
 from conveyor.server.state import ServerState
 
 
 @dataclass(slots=True)
-class _Job:
-    id: str
-    created: int
-    model: str
-    n: int
-    num_logprobs: int | None
-
+class _Job(Job):
     def chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -17,17 +16,8 @@ from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                       UsageInfo)
 from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
-                                     finish_reason, merged, sse, sse_error, submit)
+                                     Job, finish_reason, merged, sse, sse_error, submit)
 from conveyor.server.state import ServerState
-
-
-@dataclass(slots=True)
-class _Job:
-    id: str
-    created: int
-    model: str
-    n: int
-    num_logprobs: int | None
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
@@ -35,7 +25,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     params = completion_sampling(req)
     prompts = completion_prompts(state.client, req.prompt)
     per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
-    job = _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
+    job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
     streams = submit(state.client, job.id, prompts, per_prompt, req.priority)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -56,7 +46,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     return JSONResponse(_response(state, job, finals).model_dump())
 
 
-def _response(state: ServerState, job: _Job, finals: list[RequestOutput]) -> CompletionResponse:
+def _response(state: ServerState, job: Job, finals: list[RequestOutput]) -> CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
         for c in out.outputs:
@@ -75,7 +65,7 @@ def usage_of(finals: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state: ServerState, job: Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
     offsets: dict[int, int] = {}
     done: set[int] = set()
     finals: list[RequestOutput] = []

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -23,6 +24,17 @@ T = TypeVar("T")
 
 RETRY_AFTER_S = 1
 DONE = "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request's identity in its responses: id, creation time, model, n, logprobs."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    num_logprobs: int | None
 
 
 def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: list[SamplingParams],
