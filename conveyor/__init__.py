@@ -1,8 +1,30 @@
-"""Conveyor: an LLM inference engine built on continuous batching."""
+"""Conveyor: an LLM inference engine built on continuous batching.
 
-from conveyor.engine.llm import LLM
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.sampling.params import SamplingParams
+The top-level names are imported lazily, so that torch-free parts (``conveyor.scheduler``,
+``conveyor.kv``, ``conveyor.sim``) can be imported without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "SchedulerConfig"]
+
+_WHERE = {"LLM": "conveyor.engine.llm", "SamplingParams": "conveyor.sampling.params",
+          "RequestOutput": "conveyor.engine.outputs", "CompletionOutput": "conveyor.engine.outputs",
+          "EngineConfig": "conveyor.config", "SchedulerConfig": "conveyor.scheduler.config"}
+
+if TYPE_CHECKING:
+    from conveyor.config import EngineConfig
+    from conveyor.engine.llm import LLM
+    from conveyor.engine.outputs import CompletionOutput, RequestOutput
+    from conveyor.sampling.params import SamplingParams
+    from conveyor.scheduler.config import SchedulerConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

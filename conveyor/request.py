@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -57,21 +56,18 @@ class Request:
     params: SamplingParams
     seed: int = 0                         # effective sampling seed
     priority: int = 0                     # lower runs first
-    prompt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float | None = None     # None: the scheduler stamps it with its clock on arrival
     max_model_len: int | None = None      # hard cap on prompt + output
     prefill_leader: Request | None = None  # n > 1: wait for this sibling's prefill to share its blocks
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    output_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    error: str | None = None
+    error: str | None = None              # why it finished with FINISHED_ERROR
     arrival_seq: int = 0                  # FCFS tie-break, kept across preemptions
     resumed_step: int = -1                # step at which it last (re)entered RUNNING
     metrics: RequestMetrics = field(init=False)
-    output: object = None                 # engine-side output state (detokenizer etc.)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -52,6 +52,7 @@ class Tokenizer:
     add_bos_token: bool = False
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... for templates
+    _max_token_chars: int | None = field(default=None, repr=False)
 
     # ---- construction ----
 
@@ -125,11 +126,31 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; ValueError if it is not valid Unicode (a lone UTF-16 surrogate).
+
+        Long texts go through encode_batch, which releases the GIL while it works, so that other
+        threads (the server's event loop, the engine) keep running.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            if len(text) > _NOGIL_CHARS:
+                ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            else:
+                ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:   # the Rust side cannot take str with surrogates
+            raise ValueError(invalid_text_message(text)) from None
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
                 and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's text: a text of c characters has at least c / this many tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -153,6 +174,20 @@ class Tokenizer:
         text = template.render(messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# Texts longer than this are encoded without holding the GIL.
+_NOGIL_CHARS = 20_000
+
+
+def invalid_text_message(text: str) -> str:
+    """Why `text` cannot be encoded as UTF-8 (it holds a lone UTF-16 surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"the text is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start} "
+                "(a JSON string may only hold \\ud800-\\udfff escapes as surrogate pairs)")
+    return "the text could not be tokenized"
 
 
 # ---- incremental detokenization ----

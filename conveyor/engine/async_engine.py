@@ -17,8 +17,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from conveyor.engine.engine import Engine, EngineConfig
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.config import EngineConfig
+from conveyor.engine.core import EngineDeadError
+from conveyor.engine.engine import Engine
+from conveyor.engine.output_processor import error_output
+from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.tokenizer import Tokenizer
 
@@ -30,10 +33,6 @@ _STALL_WAIT_S = 0.01
 
 class Overloaded(RuntimeError):
     """Too many requests are queued; the caller should retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed or was shut down; no more requests are accepted."""
 
 
 class EngineClient(Protocol):
@@ -159,8 +158,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._cv:
             if self._error is not None or not self._accepting:
-                raise EngineDeadError("the engine is shutting down" if self._error is None
-                                      else f"the engine loop failed: {self._error!r}")
+                raise EngineDeadError(_dead_message(self._error))
             s = self._shared
             waiting = s.pending_seqs + s.stats.get("num_waiting", 0)
             if self.max_waiting is not None and waiting >= self.max_waiting:
@@ -186,8 +184,13 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """Running and accepting requests (False from the start of a shutdown)."""
+        """Running and accepting requests (False from the start of a shutdown, or once the engine died)."""
         return self._accepting and self._error is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (None while it serves or after a clean shutdown)."""
+        return None if self._error is None else str(self._error)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest."""
@@ -226,10 +229,14 @@ class AsyncEngine:
                 if busy or stale or added:
                     stalled = self._step(added) and self.engine.has_unfinished_requests()
                     stale = busy
+                if self.engine.dead:   # its requests already failed in the step that killed it
+                    raise EngineDeadError(f"the engine stopped: {self.engine.core.dead_reason}")
         except BaseException as e:   # noqa: BLE001 - any failure ends the loop; streams must hear of it
-            logger.exception("engine loop failed")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("engine loop failed")
             with self._cv:
                 self._error = e
+                self._accepting = False
             self._fail_all(e)
 
     def _wait_for_work(self, stale: bool, stalled: bool, stop: _Stop | None) -> tuple[list, _Stop | None]:
@@ -260,7 +267,7 @@ class AsyncEngine:
                     self.engine.add_request(c.prompt, c.params, rid, c.priority, c.arrival_time)
                     self._streams[rid] = c.stream
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    self._send([(c.stream, _error_output(rid, str(e)))])
+                    self._send([(c.stream, error_output(rid, str(e)))])
             elif isinstance(c, _Abort):
                 self.engine.abort_request(c.request_id)
         return added
@@ -321,12 +328,15 @@ class AsyncEngine:
         with self._cv:
             commands = list(self._shared.commands)
             self._shared.commands.clear()
-        message = f"the engine loop failed: {error!r}"
+        message = _dead_message(error)
         streams = list(self._streams.values()) + [c.stream for c in commands if isinstance(c, _Add)]
         self._streams.clear()
-        self._send([(s, _error_output(s.request_id, message)) for s in streams])
+        self._send([(s, error_output(s.request_id, message)) for s in streams])
 
 
-def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], None, "error", message)],
-                         True, error=message)
+
+
+def _dead_message(error: BaseException | None) -> str:
+    if error is None:
+        return "the engine is shutting down"
+    return str(error) if isinstance(error, EngineDeadError) else f"the engine loop failed: {error!r}"

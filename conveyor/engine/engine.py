@@ -1,92 +1,129 @@
-"""The step loop: schedule -> execute -> update, plus detokenization and stop strings."""
+"""The engine: inputs -> EngineCore (schedule -> execute -> update) -> outputs.
+
+``Engine`` puts together what one process needs to serve a model: input processing
+(tokenization and validation, before anything is registered), the ``EngineCore`` with the
+``ModelRunner`` as its executor, and the ``OutputProcessor`` (detokenization, stop strings,
+``n`` siblings). ``LLM`` and ``AsyncEngine`` drive it.
+"""
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.config import EngineConfig
+from conveyor.engine.core import EngineCore, EngineDeadError
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.stop_strings import compile_stops
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.loader import LoadedModel, load_model
-from conveyor.request import Request, RequestStatus
+from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.tokenizer import IncrementalDetokenizer, find_stop_string, safe_prefix_len
+
+__all__ = ["Engine", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
 
 GIB = 1 << 30
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    model: str | None = None               # HF directory or .gguf; None = the demo model
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
-    num_kv_blocks: int | None = None       # overrides kv_cache_gib
-    kv_cache_gib: float = 1.0
-    swap_space_gib: float = 0.5
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot run here (too long, bad parameters); the message says why."""
+    """The request cannot run here (bad prompt, too long, bad parameters); the message says why."""
 
 
 @dataclass(slots=True)
-class _Group:
-    """A user request: n sibling sequences sharing one prompt."""
+class ProcessedInput:
+    """A prompt tokenized and validated, with its own copy of the sampling parameters."""
 
-    request_id: str
-    children: list[Request]
-    error: str | None = None
-    reported: bool = False
-
-
-@dataclass(slots=True)
-class _SeqOutput:
-    detok: IncrementalDetokenizer
-    text: str = ""        # visible text (stop string cut off)
-    sent_text: int = 0
-    sent_tokens: int = 0
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {config.dtype!r}")
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
         dtype = getattr(torch, config.dtype)
         self.loaded = loaded or load_model(config.model, config.device, dtype)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
         block_bytes = KVCacheTensors.bytes_per_block(self.model_config, config.block_size, dtype.itemsize)
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
         num_host = int(config.swap_space_gib * GIB // block_bytes)
-        self.kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
         # A sequence can never outgrow the whole cache: cap its length there so that a lone
         # request always fits (else it would preempt itself forever).
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
+        self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings,
+                                 num_blocks * config.block_size)
+        kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
+        runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
+        self.core = EngineCore(Scheduler(config.scheduler, kv), runner, time.monotonic,
+                               config.max_consecutive_step_failures)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(config.seed)
-        self._groups: dict[str, _Group] = {}
-        self._to_report: set[str] = set()   # groups that finished outside a step's token flow
         self._next_id = 0
-        self.last_step_time = 0.0
+        self._next_seq = 0
+        self.last_step_time = 0.0   # seconds in the latest step(), output processing included
 
-    # ---- requests ------------------------------------------------------------------------
+    # The core's parts, for tests, benchmarks and stats.
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.core.scheduler.kv
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.executor
+
+    @property
+    def dead(self) -> bool:
+        return self.core.dead
+
+    # ---- inputs ----------------------------------------------------------------------------
     def new_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id - 1)
+
+    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> ProcessedInput:
+        """Tokenize and validate a prompt; raises InvalidRequestError (a ValueError) saying why it cannot run."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = (params or SamplingParams()).clone()
+        params.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        text, ids = self._prompt(prompt)
+        self.validate(ids, params)
+        return ProcessedInput(text, ids, params)
+
+    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}")
+                return text, token_id_list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, token_id_list(prompt)
+        raise InvalidRequestError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                                  f"'prompt_token_ids'; got {type(prompt).__name__}")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError with a clear message if the request can never run."""
@@ -101,129 +138,72 @@ class Engine:
                 f"the prompt has {n} tokens, {n - self.max_model_len + 1} more than the context of "
                 f"{self.max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
                 f"smaller of the model's context and the KV cache)")
-        need = self.kv.blocks_for(n + 1)
-        if need > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt needs {need} KV blocks but the whole KV cache has {self.kv.num_blocks}")
+        if params.stop:
+            compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
 
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request. Invalid ones are not raised: they finish with an error output."""
-        params = (params or SamplingParams()).clone()
-        params.eos_token_ids = tuple(self.model_config.eos_token_ids)
-        text, ids = self._prompt(prompt)
+        """Queue a request; raises InvalidRequestError (nothing is queued) if it cannot run."""
+        inp = prompt if isinstance(prompt, ProcessedInput) else self.process_inputs(prompt, params)
+        if not (isinstance(priority, numbers.Integral) and not isinstance(priority, bool)):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         request_id = request_id if request_id is not None else self.new_request_id()
-        if request_id in self._groups:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        group = _Group(request_id, [])
-        self._groups[request_id] = group
+        if request_id in self.output_processor:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        p = inp.params
+        arrival = arrival_time if arrival_time is not None else self.core.clock()
+        seqs, leader = [], None
+        for i in range(p.n):
+            seed = p.seed + i if p.seed is not None else self._rng.getrandbits(63)
+            self._next_seq += 1
+            seq = Request(f"seq-{self._next_seq}", inp.prompt_token_ids, p, seed=seed, priority=int(priority),
+                          arrival_time=arrival, max_model_len=self.max_model_len, prefill_leader=leader)
+            leader = leader or seq
+            seqs.append(seq)
+        added = []
         try:
-            self.validate(ids, params)
-        except InvalidRequestError as e:
-            group.error = str(e)
-            self._to_report.add(request_id)
-            return request_id
-        leader = None
-        for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(rid, ids, params, seed=seed, priority=priority, prompt=text,
-                          arrival_time=arrival_time or time.monotonic(), max_model_len=self.max_model_len,
-                          prefill_leader=leader)
-            req.output = _SeqOutput(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
-            leader = leader or req
-            group.children.append(req)
-            self.scheduler.add_request(req)
+            for seq in seqs:
+                self.core.add_request(seq)
+                added.append(seq.request_id)
+        except BaseException:
+            self.core.abort_requests(added)
+            raise
+        self.output_processor.add(request_id, inp.prompt, inp.prompt_token_ids, p,
+                                  [(s.request_id, s.metrics) for s in seqs])
         return request_id
 
-    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
-    def abort_request(self, request_id: str) -> None:
-        group = self._groups.get(request_id)
-        if group is None:
-            return
-        for req in group.children:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-        self._to_report.add(request_id)
+    def abort_request(self, request_id: str, report: bool = True) -> None:
+        """Abort now; its KV blocks are free for the next step. report=False: no final output."""
+        self.core.abort_requests(self.output_processor.abort(request_id, report))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return self.output_processor.has_unfinished()
 
-    # ---- the step ------------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns an output for every request that progressed or finished."""
+        """One iteration; an output for every request that progressed, finished or failed."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        touched = []
-        if not out.is_empty:
-            model_out = self.runner.execute(out)
-            touched = self.scheduler.update(out, model_out)
-        for req in touched:
-            self._detokenize(req)
+        updates = self.core.step() if self.core.has_unfinished() else []
+        outputs, commands = self.output_processor.process(updates)
+        for c in commands:
+            self.core.finish_request(c.seq_id, c.status, c.reason)
         self.last_step_time = time.perf_counter() - t0
-        changed = {self._group_id(r.request_id) for r in touched} | self._to_report
-        self._to_report = set()
-        return self._outputs(changed)
-
-    def _group_id(self, rid: str) -> str:
-        return rid.rpartition("#")[0] if "#" in rid and rid.rpartition("#")[0] in self._groups else rid
-
-    def _detokenize(self, req: Request) -> None:
-        st: _SeqOutput = req.output
-        new = st.detok.add(req.all_token_ids[-1:])
-        if req.is_finished:
-            new += st.detok.flush()
-        st.text += new
-        stop = req.params.stop
-        if stop and new and not (req.is_finished and req.stop_reason is not None):
-            idx = find_stop_string(st.text, len(new), stop)
-            if idx is not None:
-                hit = next(s for s in stop if st.text.startswith(s, idx))
-                st.text = st.text[:idx + len(hit)] if req.params.include_stop_str_in_output else st.text[:idx]
-                if req.is_finished:   # finished by length/eos in the same token: the stop string wins
-                    req.finish_reason, req.stop_reason = "stop", hit
-                else:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, hit)
-
-    def _outputs(self, changed: set[str]) -> list[RequestOutput]:
-        outputs = []
-        for gid in changed:
-            group = self._groups.get(gid)
-            if group is None:
-                continue
-            finished = group.error is not None or all(c.is_finished for c in group.children)
-            outputs.append(self._make_output(group, finished))
-            if finished:
-                del self._groups[gid]
         return outputs
 
-    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
-        if group.error is not None:
-            return RequestOutput(group.request_id, None, [], [CompletionOutput(0, "", [], None, "error", group.error)],
-                                 True, error=group.error)
-        completions = []
-        for i, req in enumerate(group.children):
-            st: _SeqOutput = req.output
-            toks = req.output_token_ids
-            # While running, hold back a tail that may still grow into a stop string.
-            shown = len(st.text) if req.is_finished or not req.params.stop else safe_prefix_len(st.text, req.params.stop)
-            shown = max(shown, st.sent_text)
-            completions.append(CompletionOutput(
-                i, st.text[:shown], toks, req.output_logprobs if req.params.logprobs is not None else None,
-                req.finish_reason, req.stop_reason, st.text[st.sent_text:shown], toks[st.sent_tokens:]))
-            st.sent_text, st.sent_tokens = shown, len(toks)
-        first = group.children[0]
-        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids, completions, finished,
-                             [c.metrics for c in group.children])
-
     def stats(self) -> dict:
-        d = self.scheduler.stats_dict()
+        d = self.core.stats_dict()
         d["last_step_time"] = self.last_step_time
         return d
+
+
+def token_id_list(ids: object) -> list[int]:
+    """A list of int token ids, or InvalidRequestError (no bools, no floats: 3.0 is not a token id)."""
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got an element {t!r}")
+        out.append(int(t))
+    return out

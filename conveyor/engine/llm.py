@@ -2,33 +2,37 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
-from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedInput
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler.config import SchedulerConfig
 
 PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, max_num_seqs: int = 128, max_num_batched_tokens: int = 1024,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_gib: float = 1.0,
-                 swap_space_gib: float = 0.5, preemption_mode: str = "recompute",
-                 admission_policy: str = "predictive", enable_prefix_caching: bool = True,
-                 scheduling_policy: str = "continuous", seed: int = 0, device: str = "cpu",
-                 dtype: str = "float32", max_model_len: int | None = None, **scheduler_kwargs: Any):
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                preemption_mode=preemption_mode, admission_policy=admission_policy,
-                                scheduling_policy=scheduling_policy, **scheduler_kwargs)
-        self.engine = Engine(EngineConfig(
-            model=model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_gib=kv_cache_gib, swap_space_gib=swap_space_gib, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, scheduler=sched))
+    """``LLM(model, **options)``: options are EngineConfig's and SchedulerConfig's fields by name
+    (``max_num_seqs``, ``block_size``, ``preemption_mode``, ...); or pass ``config=EngineConfig(...)``."""
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any):
+        if config is None:
+            config = EngineConfig.from_options(model=model, **options)
+        elif model is not None or options:
+            raise TypeError("give either config= or a model and options, not both")
+        self.engine = Engine(config)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """The offline API over an Engine built elsewhere (e.g. around a model already in memory)."""
+        llm = object.__new__(cls)
+        llm.engine = engine
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -36,19 +40,48 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion; outputs come back in input order.
+
+        Every prompt is checked before any is queued (ValueError naming the prompt); if the
+        call fails or is interrupted, none of its requests stays queued.
+        """
+        inputs = self._inputs(prompts, sampling_params, priority)
+        ids: list[str] = []
+        try:
+            for inp, prio in inputs:
+                ids.append(self.engine.add_request(inp, priority=prio))
+            return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid, report=False)
+            raise
+
+    def _inputs(self, prompts, sampling_params, priority) -> list[tuple[ProcessedInput, int]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
-               for i, (p, sp) in enumerate(zip(prompts, params))]
-        return self._run(ids, use_tqdm if use_tqdm is not None else len(prompts) >= 8)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be a list of integers, one per prompt; got {type(priority).__name__}")
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        elif not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in priority):
+            raise ValueError(f"priority must be a list of integers, got {list(priority)!r}")
+        inputs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            try:
+                inputs.append((self.engine.process_inputs(prompt, sp), int(priority[i])))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}") from None
+        return inputs
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

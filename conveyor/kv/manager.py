@@ -6,7 +6,7 @@ mappings that swap-out/swap-in return.
 
 from __future__ import annotations
 
-from conveyor.kv.block_pool import BlockPool
+from conveyor.kv.block_pool import BlockPool, PoolStats
 from conveyor.request import Request
 
 
@@ -71,6 +71,37 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables[request_id]
 
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        """Host blocks holding a swapped-out request's KV (0 if it is not swapped out)."""
+        return len(self.host_tables.get(request_id, ()))
+
+    def ref_count(self, block_id: int) -> int:
+        return self.pool.blocks[block_id].ref_count
+
+    def is_cached(self, block_id: int) -> bool:
+        """The block is published in the prefix cache (its contents must not change)."""
+        return self.pool.blocks[block_id].block_hash is not None
+
+    def num_revived(self, cached: list[int]) -> int:
+        """Prefix-cache hits that sit in the free queue: taking them uses up free blocks."""
+        return sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+
+    @property
+    def prefix_cache_stats(self) -> PoolStats:
+        return self.pool.stats
+
     def _block_hashes(self, request: Request, upto_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks within its first upto_tokens tokens."""
         hashes = self.hashes.setdefault(request.request_id, [])
@@ -108,8 +139,7 @@ class KVCacheManager:
 
     def can_allocate(self, n: int, cached: list[int] = ()) -> bool:
         # Cached hits that sit in the free queue are taken out of it when touched.
-        revived = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
-        return n + revived <= self.pool.num_free
+        return n + self.num_revived(cached) <= self.pool.num_free
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Grow the request's table to hold num_computed + num_new_tokens. All or nothing."""

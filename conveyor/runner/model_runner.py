@@ -1,4 +1,4 @@
-"""The executor: turns a SchedulerOutput into tensors, runs the model, samples, applies swaps."""
+"""The model executor: a step's plan -> tensors -> the model -> sampled tokens; and swap copies."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import torch
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
-from conveyor.sampling.sampler import Sampler, SamplingRow
+from conveyor.sampling.sampler import Sampler
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 
 
 class ModelRunner:
+    """Implements the engine core's ``Executor`` protocol with a real model."""
+
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.model = model
@@ -22,29 +24,28 @@ class ModelRunner:
         self.host = KVCacheTensors(model.cfg, max(num_host_blocks, 1), block_size, "cpu", dtype, pin_memory=pin)
         self.kv_layers = self.kv.layers
         self.sampler = Sampler()
+        self.record_logits = False       # tests: keep the latest step's logits (rows in scheduling order)
+        self.last_logits: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        # Swap-outs first: blocks they vacate may be rewritten by this very step.
-        self.kv.copy_blocks_to(self.host, out.swap_out)
-        self.host.copy_blocks_to(self.kv, out.swap_in)
-        if not out.scheduled:
-            return ModelOutput([], [])
-        work = []
-        for s in out.scheduled:
-            req, c = s.request, s.request.num_computed_tokens
-            work.append(SeqWork(req.all_token_ids[c:c + s.num_tokens], c, s.block_table, s.sample))
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        # Swap-outs first: blocks they vacate may be reused by swap-ins and by this very step.
+        self.kv.copy_blocks_to(self.host, swap_out)
+        self.host.copy_blocks_to(self.kv, swap_in)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        work = [SeqWork(s.token_ids, s.num_computed_tokens, s.block_table, s.sampling is not None)
+                for s in plan.scheduled]
         inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups)
         logits = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers, inputs.logits_indices)
-        # Logit rows follow the model's layout; the scheduler expects scheduling order.
+        # Logit rows follow the model's layout; the sampler and the scheduler use scheduling order.
         row_of = {idx: r for r, idx in enumerate(inputs.sample_order)}
-        sampled = [i for i, s in enumerate(out.scheduled) if s.sample]
+        sampled = [i for i, s in enumerate(plan.scheduled) if s.sampling is not None]
         perm = [row_of[i] for i in sampled]
         if perm != list(range(len(perm))):
             logits = logits[torch.tensor(perm, device=logits.device)]
-        rows = []
-        for i in sampled:
-            req = out.scheduled[i].request
-            rows.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.seed))
-        result = self.sampler(logits, rows)
+        if self.record_logits:
+            self.last_logits = logits
+        result = self.sampler(logits, [plan.scheduled[i].sampling for i in sampled])
         return ModelOutput(result.token_ids, result.logprobs)

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 _MAX_LOGPROBS = 20
+# Stop strings are matched by an automaton built per distinct set (O(total characters), about
+# 1 ms per 1,000 characters); these bounds keep that and its memory small.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+# Dividing or multiplying logits by the penalty must stay finite in fp32 (1e-39 is subnormal).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # Below this temperature a request is greedy (same threshold as vLLM).
 SAMPLING_EPS = 1e-5
 
@@ -82,8 +88,9 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(_is_real(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
-              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        check(_is_real(self.repetition_penalty) and lo <= self.repetition_penalty <= hi,
+              f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
         check(_is_real(self.temperature) and 0.0 <= self.temperature <= 100.0,
               f"temperature must be in [0, 100], got {self.temperature!r}")
         check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
@@ -102,6 +109,11 @@ class SamplingParams:
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
               f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        check(len(self.stop) <= MAX_STOP_STRINGS,
+              f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+              f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of "
+              f"{max(map(len, self.stop), default=0)}")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids must be non-negative integers")
         check(all(_is_int(t) and t >= 0 for t in self.eos_token_ids),

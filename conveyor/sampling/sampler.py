@@ -16,16 +16,13 @@ import numpy as np
 import torch
 
 from conveyor.sampling.params import SAMPLING_EPS, SamplingParams
+from conveyor.scheduler.output import SamplingRow
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "NonFiniteLogitsError", "uniforms"]
 
 
-@dataclass(slots=True)
-class SamplingRow:
-    """One sequence that samples a token this step."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far, before this step
-    seed: int  # effective seed: params.seed, or one the engine drew when that is None
+class NonFiniteLogitsError(FloatingPointError):
+    """The model produced NaN logits (or no finite logit) for a row: nothing can be sampled."""
 
 
 @dataclass(slots=True)
@@ -42,9 +39,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         if all(_plain_greedy(r) for r in rows):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows), [None] * len(rows))
+            best, tokens = logits.max(dim=-1)
+            _check_finite(best)
+            return SamplerOutput(tokens.tolist(), [None] * len(rows), [None] * len(rows))
         raw = logits
-        if any(r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        _check_finite(logits.amax(dim=-1))
+        if any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens for r in rows):
             # The edits below are in place (on a flat view); the caller's tensor stays raw.
             logits = logits.clone(memory_format=torch.contiguous_format)
             _apply_min_tokens(logits, rows)
@@ -54,10 +54,18 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), logprobs, ranks)
 
 
+def _check_finite(row_max: torch.Tensor) -> None:
+    """A row whose largest logit is NaN (max propagates NaN) or infinite cannot be sampled."""
+    bad = ~torch.isfinite(row_max)
+    if bool(bad.any()):
+        raise NonFiniteLogitsError(f"the model produced non-finite logits for {int(bad.sum())} of "
+                                   f"{row_max.numel()} sequences")
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.needs_penalties
-            and len(row.output_token_ids) >= p.min_tokens)
+            and row.num_output_tokens >= p.min_tokens)
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:
@@ -76,7 +84,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     tok_idx: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
-        if len(row.output_token_ids) < p.min_tokens:
+        if row.num_output_tokens < p.min_tokens:
             ids = [t for t in chain(p.eos_token_ids, p.stop_token_ids) if t < vocab]
             row_idx += [i] * len(ids)
             tok_idx += ids
@@ -154,8 +162,8 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(p.min_p > 0.0 for p in params):
         # prob < min_p * max_prob, with max_prob = 1 in these units (the top token survives all filters).
         weights.masked_fill_(weights < _param([p.min_p for p in params], weights), 0.0)
-    u = torch.from_numpy(uniforms([r.seed for r in rows], [len(r.output_token_ids) for r in rows]))
-    return _inverse_cdf(weights, u.to(weights.device))
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.num_output_tokens for r in rows]))
+    return _inverse_cdf(weights, u.to(weights.device), logits)
 
 
 def _subset(t: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -187,7 +195,7 @@ def _top_k_top_p(weights: torch.Tensor, params: list[SamplingParams]) -> torch.T
     if any(p.top_p < 1.0 for p in params):
         limit = _param([p.top_p if p.top_p < 1.0 else torch.inf for p in params], top)
         cum = top.cumsum(dim=-1)
-        top.masked_fill_((cum - top) >= limit * cum[:, -1:], 0.0)
+        top.masked_fill_(_beyond_top_p(cum, top, limit * cum[:, -1:]), 0.0)
     return torch.zeros_like(weights).scatter_(1, order, top)
 
 
@@ -209,7 +217,7 @@ def _top_p(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:
         cum = top.cumsum(dim=-1)
         done = (cum[:, -1:] >= lim).squeeze(1) if partial else torch.ones_like(rows, dtype=torch.bool)
         # A token goes once the mass strictly before it already reaches top_p; the first never does.
-        top.masked_fill_((cum - top) >= lim, 0.0)
+        top.masked_fill_(_beyond_top_p(cum, top, lim), 0.0)
         # Write the finished rows' candidates into place; everything else stays zero.
         flat = (rows[done] * vocab).unsqueeze(1) + order[done]
         out.view(-1)[flat.view(-1)] = top[done].view(-1)
@@ -219,14 +227,29 @@ def _top_p(weights: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return out
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token whose CDF interval (in vocab order) holds u * total mass."""
+def _beyond_top_p(cum: torch.Tensor, top: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Sorted candidates to drop: the mass strictly before them already reaches the limit. The
+    most likely token always stays, even when top_p * mass underflows to 0 (top_p = 1e-50)."""
+    beyond = (cum - top) >= limit
+    beyond[:, 0] = False
+    return beyond
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval (in vocab order) holds u * total mass.
+
+    A row left with no finite positive mass (which the parameter ranges are meant to rule out)
+    takes its most likely token instead of the last id of the vocabulary.
+    """
     cdf = weights.cumsum_(dim=-1)
     total = cdf[:, -1:]
     # u < 1, but u * total can round up to total; stay strictly below it so a token is found.
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return tokens.clamp_(max=cdf.shape[1] - 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    bad = ~((total > 0) & torch.isfinite(total)).squeeze(1)
+    if bool(bad.any()):
+        tokens[bad] = torch.nan_to_num(logits[bad], nan=-torch.inf).argmax(dim=-1)
+    return tokens
 
 
 _M64 = (1 << 64) - 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conveyor.config_fields import check_choice, option
+
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ADMISSION_POLICIES = ("optimistic", "conservative", "predictive")
 SCHEDULING_POLICIES = ("continuous", "static")
@@ -11,29 +13,31 @@ SCHEDULING_POLICIES = ("continuous", "static")
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024       # the per-step token budget
-    long_prefill_token_threshold: int = 0    # per-request prefill cap per step; 0 = budget // 4 (min 64)
-    preemption_mode: str = "recompute"
-    admission_policy: str = "predictive"
-    scheduling_policy: str = "continuous"
+    max_num_seqs: int = option(128, "most sequences in one step's batch")
+    max_num_batched_tokens: int = option(1024, "token budget of one step (decodes + prefill chunks)")
+    long_prefill_token_threshold: int = option(
+        0, "most prompt tokens one request computes in a step (0 = max(64, budget / 4))")
+    preemption_mode: str = option("recompute", "how a preempted request gives back its KV: recompute it "
+                                  "later, swap it to host memory, or auto (by estimated cost)",
+                                  choices=PREEMPTION_MODES)
+    admission_policy: str = option("predictive", "how much future KV a request must fit before it is admitted",
+                                   choices=ADMISSION_POLICIES)
+    scheduling_policy: str = option("continuous", "continuous batching, or the static batching baseline",
+                                    choices=SCHEDULING_POLICIES)
     # predictive admission: admit with the q-quantile of the learned output-length distribution
     # and keep reservation_buffer (a fraction of all blocks) free for growth beyond predictions.
-    admission_quantile: float = 0.9
-    reservation_buffer: float = 0.05
-    min_resident_steps: int = 4              # a resumed request is not re-preempted this soon
+    admission_quantile: float = option(0.9, "predictive admission: quantile of the learned output-length "
+                                            "distribution a request is admitted with")
+    reservation_buffer: float = option(0.05, "predictive admission: fraction of KV blocks kept free for growth")
+    min_resident_steps: int = option(4, "steps a resumed request runs before it can be preempted again")
     # auto preemption mode: relative costs (seconds) of copying one block both ways vs recomputing one token
-    swap_cost_per_block: float = 2e-4
-    recompute_cost_per_token: float = 1e-3
+    swap_cost_per_block: float = option(2e-4, "auto preemption: estimated seconds to copy one KV block one way")
+    recompute_cost_per_token: float = option(1e-3, "auto preemption: estimated seconds to recompute one token")
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.admission_policy not in ADMISSION_POLICIES:
-            raise ValueError(f"admission_policy must be one of {ADMISSION_POLICIES}, got {self.admission_policy!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("admission_policy", self.admission_policy, ADMISSION_POLICIES)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 < self.admission_quantile <= 1.0:

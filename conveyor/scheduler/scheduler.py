@@ -10,13 +10,14 @@ No torch here: the simulator drives this very class with a cost-model executor.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.scheduler.admission import AdmissionPolicy, make_admission_policy
 from conveyor.scheduler.config import SchedulerConfig
-from conveyor.scheduler.output import ModelOutput, ScheduledSeq, SchedulerOutput
+from conveyor.scheduler.output import ModelOutput, SamplingRow, ScheduledSeq, SchedulerOutput
 from conveyor.scheduler.preemption import choose_mode, choose_victim, victim_key
 from conveyor.scheduler.queue import WaitQueue
 
@@ -43,9 +44,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, admission: AdmissionPolicy | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, admission: AdmissionPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = kv
+        self.clock = clock   # timestamps: monotonic time in the engine, simulated time in the simulator
         self.admission = admission or make_admission_policy(
             config.admission_policy, config.admission_quantile, config.reservation_buffer)
         self.waiting = WaitQueue()
@@ -68,6 +71,8 @@ class Scheduler:
         # (else it would preempt itself forever).
         capacity = self.kv.num_blocks * self.kv.block_size
         request.max_model_len = min(request.max_model_len or capacity, capacity)
+        if request.arrival_time is None:
+            request.arrival_time = request.metrics.arrival_time = self.clock()
         request.arrival_seq = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
@@ -86,7 +91,7 @@ class Scheduler:
             self.waiting.discard(request)
         self.kv.free(request)
         self.kv.forget(request)
-        request.finish(status, time.monotonic(), reason)
+        request.finish(status, self.clock(), reason)
         self.requests.pop(request.request_id, None)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.admission.observe(request)
@@ -95,6 +100,17 @@ class Scheduler:
             self.stats.num_aborted += 1
         else:
             self.stats.num_errors += 1
+
+    def fail_requests(self, request_ids: list[str], message: str) -> list[Request]:
+        """Finish these requests with an error (their step failed); returns the ones still live."""
+        failed = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.error = message
+                self.finish_request(req, RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        return failed
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -165,7 +181,7 @@ class Scheduler:
                 break
             if head is not None and victim_key(head) < victim_key(req):
                 break   # a better-ranked waiting request gets the room first
-            held = len(self.kv.host_tables[req.request_id])
+            held = self.kv.num_swapped_blocks(req.request_id)
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
             extra = self.kv.blocks_for(req.num_computed_tokens + n) - held
             if held + max(0, extra) > self.kv.num_free_blocks:
@@ -268,10 +284,11 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         mode = choose_mode(self.config.preemption_mode, self.kv.num_held(victim.request_id),
-                           victim.num_computed_tokens, self.kv.host.num_free,
+                           victim.num_computed_tokens, self.kv.num_free_host_blocks,
                            self.config.swap_cost_per_block, self.config.recompute_cost_per_token)
         if mode == "swap":
             out.swap_out.extend(self.kv.swap_out(victim))
+            out.swapped_out_ids.append(victim.request_id)
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
             self.stats.num_swaps_out += 1
@@ -288,8 +305,7 @@ class Scheduler:
     def _lifetime_blocks(self, req: Request, cached: list[int]) -> int:
         """New free blocks a waiting request is predicted to take over its life: its predicted
         length, less shared prefix-cache hits, plus hits that must be revived from the free queue."""
-        revived = sum(1 for b in cached if self.kv.pool.blocks[b].ref_count == 0)
-        return self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + revived
+        return self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + self.kv.num_revived(cached)
 
     def _future_blocks(self, req: Request) -> int:
         """Blocks the request is predicted to still need beyond what it holds."""
@@ -297,7 +313,7 @@ class Scheduler:
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = req.prefill_leader
-        if leader is None or leader.is_finished or not self.kv.pool.enable_caching:
+        if leader is None or leader.is_finished or not self.kv.enable_prefix_caching:
             return False   # without the prefix cache there is nothing to share: no reason to wait
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
@@ -306,7 +322,7 @@ class Scheduler:
         req.resumed_step = self.step
         self.running.append(req)
         if req.metrics.first_scheduled_time is None:
-            req.metrics.first_scheduled_time = time.monotonic()
+            req.metrics.first_scheduled_time = self.clock()
 
     @staticmethod
     def _is_decode(req: Request, n: int) -> bool:
@@ -316,8 +332,10 @@ class Scheduler:
                 and req.num_computed_tokens >= req.num_prompt_tokens)
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> ScheduledSeq:
-        sample = req.num_computed_tokens + n == req.num_tokens
-        seq = ScheduledSeq(req, n, self.kv.block_table(req.request_id), sample)
+        c = req.num_computed_tokens
+        sampling = self._sampling_row(req) if c + n == req.num_tokens else None
+        seq = ScheduledSeq(req.request_id, req.all_token_ids[c:c + n], c, list(self.kv.block_table(req.request_id)),
+                           sampling)
         out.scheduled.append(seq)
         if self._is_decode(req, n):
             out.num_decode_tokens += n
@@ -325,9 +343,19 @@ class Scheduler:
             out.num_prefill_tokens += n
         return seq
 
+    @staticmethod
+    def _sampling_row(req: Request) -> SamplingRow:
+        p = req.params
+        row = SamplingRow(p, req.seed, req.num_output_tokens)
+        if p.needs_penalties:   # only then does the sampler read the history
+            row.output_token_ids = req.output_token_ids
+            if p.repetition_penalty != 1.0:
+                row.prompt_token_ids = req.prompt_token_ids
+        return row
+
     def _unschedule(self, out: SchedulerOutput, seq: ScheduledSeq) -> int:
         out.scheduled.remove(seq)
-        if self._is_decode(seq.request, seq.num_tokens):
+        if self._is_decode(self.requests[seq.request_id], seq.num_tokens):
             out.num_decode_tokens -= seq.num_tokens
         else:
             out.num_prefill_tokens -= seq.num_tokens
@@ -346,24 +374,21 @@ class Scheduler:
 
         Returns the requests that got a new token this step (finished ones included).
         """
-        now = time.monotonic()
+        now = self.clock()
         touched = []
         i = 0
         for s in out.scheduled:
-            req = s.request
-            if s.sample:
+            if s.sampling is not None:
                 token = model_out.token_ids[i]
-                logprobs = model_out.logprobs[i] if model_out.logprobs is not None else None
                 i += 1
-            if req.is_finished:
+            req = self.requests.get(s.request_id)
+            if req is None:   # finished (aborted, stopped) while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.publish_full_blocks(req)
-            if not s.sample:
+            if s.sampling is None:
                 continue
             req.append_token(token, now)
-            if req.params.logprobs is not None:
-                req.output_logprobs.append(logprobs)
             self.stats.generation_tokens_total += 1
             touched.append(req)
             self._check_stop(req, token)
@@ -385,7 +410,7 @@ class Scheduler:
     def stats_dict(self) -> dict:
         d = asdict(self.stats)
         d.update(num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped))
-        pool = self.kv.pool.stats
+        pool = self.kv.prefix_cache_stats
         d.update(kv_usage=self.kv.usage, num_kv_blocks=self.kv.num_blocks,
                  num_free_kv_blocks=self.kv.num_free_blocks,
                  prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,

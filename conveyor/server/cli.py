@@ -9,13 +9,13 @@ import math
 import os
 import signal
 
+from conveyor.config import add_engine_args, config_from_args
+
 # Extra seconds uvicorn waits for connections after the engine's own shutdown timeout.
 _BACKSTOP_S = 5
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from conveyor.cli import add_engine_args
-
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                               description="Serve a model over an OpenAI-compatible HTTP API "
@@ -47,7 +47,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from conveyor.cli import engine_config
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import build_app
 
@@ -61,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await drain
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine.from_config(engine_config(args), max_waiting=args.max_waiting or None)
+    engine = AsyncEngine.from_config(config_from_args(args, model=args.model), max_waiting=args.max_waiting or None)
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, log_interval=args.log_interval,
                     shutdown_timeout=args.shutdown_timeout)

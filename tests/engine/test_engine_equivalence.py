@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from conveyor.engine.engine import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
 from engine_testlib import run_all
@@ -123,15 +124,21 @@ def test_abort_frees_everything(make_engine):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_bad_request_fails_alone(make_engine):
+def test_bad_request_is_rejected_alone(make_engine):
+    """An invalid request raises at add time and queues nothing; the others run as usual."""
     engine = make_engine(num_kv_blocks=16, block_size=8)
     good = make_prompts(2, seed=11)
-    too_long = list(range(200)) * 6          # longer than the 1024-token context
-    too_big = list(range(200))               # 200 tokens > 16 blocks * 8
-    outs = run_all(engine, [good[0], too_long, too_big, good[1]], SamplingParams(temperature=0, max_tokens=8))
-    assert outs[0].outputs[0].finish_reason == "length" and outs[3].outputs[0].finish_reason == "length"
-    assert outs[1].error and "context" in outs[1].error
-    assert outs[2].error and "KV" in outs[2].error
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ids = [engine.add_request(good[0], params)]
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.add_request(list(range(200)) * 6, params)      # longer than the 1024-token context
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        engine.add_request(list(range(200)), params)          # 200 tokens > 16 blocks * 8
+    ids.append(engine.add_request(good[1], params))
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sorted(outs) == sorted(ids) and all(o.outputs[0].finish_reason == "length" for o in outs.values())
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

@@ -1,4 +1,4 @@
-"""Helpers for the model tests: tiny random HF checkpoints and a greedy loop over build_inputs.
+"""Helpers for the model tests: tiny random HF checkpoints, greedy runs through the engine core.
 
 Imported by the test files of tests/model (pytest puts this directory on sys.path because
 tests/model has no __init__.py).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +16,19 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from conveyor.engine.core import EngineCore
+from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM as ConveyorModel
 from conveyor.model.loader import build_model, load_weights, read_config
 from conveyor.runner.inputs import SeqWork, build_inputs
+from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
+from conveyor.runner.model_runner import ModelRunner
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.config import SchedulerConfig
+from conveyor.scheduler.output import ModelOutput, SchedulerOutput
+from conveyor.scheduler.scheduler import Scheduler
 
 VOCAB = 256
 MAX_POS = 512
@@ -112,7 +121,7 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# A greedy generation loop through build_inputs, with a trivial block allocator.
+# Greedy generation through EngineCore (the engine's step loop), and prompt logits.
 
 
 def allocate_tables(needs: list[int], block_size: int, seed: int, spare: int = 3) -> tuple[list[list[int]], int]:
@@ -129,27 +138,6 @@ def allocate_tables(needs: list[int], block_size: int, seed: int, spare: int = 3
 
 
 @dataclass
-class _Seq:
-    prompt: list[int]
-    max_new: int
-    table: list[int]
-    start_step: int
-    computed: int = 0
-    out: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return len(self.out) >= self.max_new
-
-    def work(self, chunk: int) -> SeqWork:
-        if self.computed < len(self.prompt):
-            toks = self.prompt[self.computed:self.computed + chunk]
-            return SeqWork(toks, self.computed, self.table, sample=self.computed + len(toks) == len(self.prompt))
-        return SeqWork([self.out[-1]], len(self.prompt) + len(self.out) - 1, self.table)
-
-
-@dataclass
 class GreedyResult:
     tokens: list[list[int]]
     logits: list[torch.Tensor]   # per sequence [max_new, vocab]: the row each token was sampled from
@@ -157,39 +145,60 @@ class GreedyResult:
     mixed_steps: int             # steps that held both a prompt chunk and a decode
 
 
+class _LogitsRecorder:
+    """The ModelRunner as the core's executor, keeping each sampled row's logits by request id."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        runner.record_logits = True
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.mixed_steps = 0
+
+    def swap(self, swap_out, swap_in) -> None:
+        self.runner.swap(swap_out, swap_in)
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        out = self.runner.execute(plan)
+        sampled = [s.request_id for s in plan.scheduled if s.sampling is not None]
+        for rid, row in zip(sampled, self.runner.last_logits):
+            self.logits.setdefault(rid, []).append(row.clone())
+        self.mixed_steps += plan.num_prefill_tokens > 0 and plan.num_decode_tokens > 0
+        return out
+
+
 def conveyor_greedy(model: ConveyorModel, prompts: list[list[int]], max_new: int, *, block_size: int = 16,
                     chunk: int = 64, serial: bool = False, stagger: int = 0, seed: int = 0) -> GreedyResult:
-    """Greedy-decode ``prompts``: all in one continuously batched run (sequence i joins at step
-    ``i * stagger``; the per-step order of the work list is shuffled), or one after the other."""
-    cfg = model.cfg
-    tables, num_blocks = allocate_tables([len(p) + max_new for p in prompts], block_size, seed)
-    kv = KVCacheTensors(cfg, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
-    kv.data.normal_(generator=torch.Generator().manual_seed(seed))   # garbage: only written slots may be read
-    seqs = [_Seq(p, max_new, t, i * stagger) for i, (p, t) in enumerate(zip(prompts, tables))]
-    rng = random.Random(seed)
-    steps = mixed = 0
-    for group in ([[s] for s in seqs] if serial else [seqs]):
+    """Greedy-decode ``prompts`` through the real EngineCore, scheduler and ModelRunner: all in one
+    continuously batched run (sequence i joins at step ``i * stagger``) or one after the other.
+    Prompts are chunked by ``chunk`` tokens per step; the KV blocks are handed out in a shuffled
+    order and the cache starts as garbage, so only slots written for a sequence may be read."""
+    num_blocks = sum(-(-(len(p) + max_new) // block_size) for p in prompts) + 3
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    order = list(kv.pool.free)
+    random.Random(seed).shuffle(order)
+    kv.pool.free = OrderedDict((b, None) for b in order)   # non-contiguous block tables
+    config = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=1 << 16,
+                             long_prefill_token_threshold=chunk, admission_policy="conservative")
+    runner = ModelRunner(model, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
+    runner.kv.data.normal_(generator=torch.Generator().manual_seed(seed))   # garbage: only written slots may be read
+    recorder = _LogitsRecorder(runner)
+    core = EngineCore(Scheduler(config, kv), recorder)
+    reqs = [Request(f"s{i}", p, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    steps = 0
+    for group in ([[r] for r in reqs] if serial else [reqs]):
+        pending = list(enumerate(group))
         step = 0
-        while not all(s.done for s in group):
-            active = [s for s in group if not s.done and (serial or s.start_step <= step)]
+        while pending or core.has_unfinished():
+            while pending and (serial or pending[0][0] * stagger <= step):
+                core.add_request(pending.pop(0)[1])
             step += 1
-            if not active:
-                continue
-            rng.shuffle(active)
-            work = [s.work(chunk) for s in active]
-            inp = build_inputs(work, block_size)
-            with torch.inference_mode():
-                logits = model(inp.input_ids, inp.positions, inp.meta, kv.layers, inp.logits_indices)
-            assert logits.shape[0] == len(inp.sample_order)
-            for s, w in zip(active, work):
-                s.computed = w.num_cached + len(w.token_ids)
-            for row, i in enumerate(inp.sample_order):
-                active[i].out.append(int(logits[row].argmax()))
-                active[i].logits.append(logits[row].clone())
-            steps += 1
-            kinds = {s.computed <= len(s.prompt) for s in active}
-            mixed += len(kinds) == 2
-    return GreedyResult([s.out for s in seqs], [torch.stack(s.logits) for s in seqs], steps, mixed)
+            if core.has_unfinished():
+                assert not any(u.error for u in core.step())
+                steps += not core.last_plan.is_empty
+    assert all(r.num_output_tokens == max_new for r in reqs)
+    return GreedyResult([r.output_token_ids for r in reqs], [torch.stack(recorder.logits[r.request_id]) for r in reqs],
+                        steps, recorder.mixed_steps)
 
 
 def conveyor_prompt_logits(model: ConveyorModel, prompts: list[list[int]], *, block_size: int = 16,

@@ -11,7 +11,14 @@ sample = Sampler()
 
 
 def row(seed: int = 0, out: list[int] | None = None, prompt: list[int] | None = None, **kw) -> SamplingRow:
-    return SamplingRow(SamplingParams(**kw), prompt or [1, 2], out or [], seed)
+    """A row as the scheduler builds it: the history only goes along when a penalty needs it."""
+    params = SamplingParams(**kw)
+    out = out or []
+    r = SamplingRow(params, seed, len(out))
+    if params.needs_penalties:
+        r.output_token_ids = list(out)
+        r.prompt_token_ids = list(prompt or [1, 2]) if params.repetition_penalty != 1.0 else None
+    return r
 
 
 def draws(logits: list[float], n: int, **kw) -> np.ndarray:

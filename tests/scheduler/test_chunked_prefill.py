@@ -26,7 +26,7 @@ def test_long_prompt_does_not_stall_decodes():
     while long.num_computed_tokens < long.num_prompt_tokens:
         before = decoding(sim)
         out = sim.step()
-        got = {s.request.request_id: s.num_tokens for s in out.scheduled}
+        got = {s.request_id: s.num_tokens for s in out.scheduled}
         for rid in before:
             assert got.get(rid) == 1, f"decode {rid} stalled at step {out.step}"
         chunks.append(got.get("long", 0))
@@ -57,12 +57,12 @@ def test_short_prompts_behind_a_long_one_are_admitted_in_the_same_step():
     for i in range(3):
         sim.add(make_request(f"s{i}", [6 + i] * 4, 3, ignore_eos=True, seed=i))
     out = sim.step()
-    got = {s.request.request_id: s.num_tokens for s in out.scheduled}
+    got = {s.request_id: s.num_tokens for s in out.scheduled}
     assert got == {"long": 16, "s0": 4, "s1": 4, "s2": 4}
     assert [s.sample for s in out.scheduled] == [False, True, True, True]
     # in the next step the shorts decode and the long prompt takes its next chunk
     out = sim.step()
-    assert {s.request.request_id: s.num_tokens for s in out.scheduled} == {"s0": 1, "s1": 1, "s2": 1, "long": 16}
+    assert {s.request_id: s.num_tokens for s in out.scheduled} == {"s0": 1, "s1": 1, "s2": 1, "long": 16}
     sim.run(200)
     sim.check_outputs()
 
@@ -77,10 +77,10 @@ def test_static_batching_admits_nobody_until_the_batch_finishes():
     late = sim.add(make_request("late", [3] * 2, 2, ignore_eos=True))
     while not (a.is_finished and b.is_finished):
         out = sim.step()
-        assert "late" not in {s.request.request_id for s in out.scheduled}
+        assert "late" not in {s.request_id for s in out.scheduled}
         assert late.status == RequestStatus.WAITING
     out = sim.step()
-    assert [s.request.request_id for s in out.scheduled] == ["late"]
+    assert [s.request_id for s in out.scheduled] == ["late"]
     sim.run(50)
     sim.check_outputs()
 
@@ -101,7 +101,7 @@ def test_decodes_never_wait_when_the_budget_covers_them(reqs, budget, cap, block
             sim.add(make_request(f"r{i}", [1 + (i % 3)] * plen, mt, ignore_eos=True, seed=i))
         before = decoding(sim)
         out = sim.step()
-        got = {s.request.request_id: s.num_tokens for s in out.scheduled}
+        got = {s.request_id: s.num_tokens for s in out.scheduled}
         if len(before) <= budget:
             assert all(got.get(rid) == 1 for rid in before)
         assert all(n <= cfg.prefill_chunk_cap for n in got.values())

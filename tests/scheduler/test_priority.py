@@ -39,7 +39,7 @@ def test_high_priority_preempts_when_max_num_seqs_reached(mode):
     l2 = sim.add(make_request("L2", [3] * 6, 30, ignore_eos=True, priority=1))
     h = sim.add(make_request("H", [4] * 6, 10, ignore_eos=True, priority=0))
     out = sim.step()
-    ids = {s.request.request_id for s in out.scheduled}
+    ids = {s.request_id for s in out.scheduled}
     assert "H" in ids and "L2" not in ids
     # the victim is the worst-ranked running request: lowest priority, latest arrival
     assert l1.status == (RequestStatus.SWAPPED if mode == "swap" else RequestStatus.WAITING)
@@ -65,7 +65,7 @@ def test_high_priority_preempts_when_memory_is_full():
     waiting_low = sim.add(make_request("Lw", [9] * 4, 4, ignore_eos=True, priority=1))
     h = sim.add(make_request("H", [7] * 8, 4, ignore_eos=True, priority=0))
     out = sim.step()
-    assert "H" in {s.request.request_id for s in out.scheduled}
+    assert "H" in {s.request_id for s in out.scheduled}
     assert sim.log[-1].preempted, "someone had to give way"
     assert all(sim.all[r].priority == 1 for r in sim.log[-1].preempted)
     assert waiting_low.status == RequestStatus.WAITING
@@ -84,10 +84,10 @@ def test_high_priority_waits_for_residency_of_freshly_admitted_work():
     sim.add(make_request("H", [3] * 4, 5, ignore_eos=True, priority=0))
     for step in (2, 3, 4):
         out = sim.step()
-        assert "H" not in {s.request.request_id for s in out.scheduled}, step
+        assert "H" not in {s.request_id for s in out.scheduled}, step
         assert sim.sched.stats.num_priority_preemptions == 0
     out = sim.step()                            # step 5: L1 has been resident 4 steps
-    assert out.step == 5 and "H" in {s.request.request_id for s in out.scheduled}
+    assert out.step == 5 and "H" in {s.request_id for s in out.scheduled}
     assert sim.log[-1].preempted == {"L1"}
     sim.run(500)
 
@@ -193,7 +193,7 @@ def test_swapped_lower_priority_does_not_take_the_room_of_a_waiting_higher_prior
     while not m.is_finished:
         sim.step()
     out = sim.step()                                    # M's slot is free now
-    assert "H" in {s.request.request_id for s in out.scheduled}
+    assert "H" in {s.request_id for s in out.scheduled}
     assert b.status == RequestStatus.SWAPPED and not out.swap_in
     sim.run(500)
     sim.check_outputs()
@@ -211,7 +211,7 @@ def test_priority_preemption_is_not_wasted_when_the_head_is_then_deferred():
         sim.step()
     sim.add(make_request("H", [3] * 4, 200, ignore_eos=True, priority=0))
     out = sim.step()
-    ran = {s.request.request_id for s in out.scheduled}
+    ran = {s.request_id for s in out.scheduled}
     # either H gets in for the preemption it caused, or nobody is preempted for it
     assert "H" in ran or sim.sched.stats.num_priority_preemptions == 0
 
@@ -227,7 +227,7 @@ def test_high_priority_prefill_does_not_give_way_to_a_lower_priority_decode():
     while not high.is_finished:
         was_running = high.status == RequestStatus.RUNNING
         out = sim.step()
-        ran = {s.request.request_id for s in out.scheduled}
+        ran = {s.request_id for s in out.scheduled}
         assert not (was_running and high.status == RequestStatus.WAITING and "L" in ran), \
             f"step {out.step}: H gave way while lower-priority L ran"
     assert low.metrics.num_preemptions >= 0
@@ -258,6 +258,6 @@ def test_siblings_do_not_wait_for_the_leader_without_a_prefix_cache():
         lead = sim.add(make_request("lead", [1] * 20, 2))
         sim.add(make_request("follow", [1] * 20, 2, leader=lead))
         out = sim.step()
-        assert ("follow" in {s.request.request_id for s in out.scheduled}) == together
+        assert ("follow" in {s.request_id for s in out.scheduled}) == together
         sim.run(100)
         sim.check_outputs()

@@ -1,12 +1,14 @@
-"""Property tests of the scheduler + KV cache manager, driven by a fake executor.
+"""Property tests of the scheduler + KV cache manager, stepped by the real EngineCore with a fake executor.
 
-``Sim`` plays the engine's loop (schedule -> execute -> update) with a fake executor that
+``Sim`` drives ``EngineCore.step()`` (the engine's only step loop) with a fake executor that
 keeps a shadow copy of every KV slot: it writes the token of each computed position into
 the slot the block table names, applies swap copies like the runner (out first, then in),
 and checks that every position a sequence attends to holds that sequence's own token. So a
 wrong prefix hit, a block shared while written, a bad swap mapping or a chunk that does not
 start at ``num_computed_tokens`` shows up as wrong "KV" — not only as a broken counter.
 
+The executor only sees the plan's plain data; to check the KV it reads the true token
+sequence of a request from the test's own records (its oracle), never from the plan.
 The sampled token of a request is a pure function of (seed, output index); the EOS lands at
 a chosen output index, so each request's output is known in advance and must come out
 identical whatever the batching, chunking, preemption or prefix-cache hits were.
@@ -16,12 +18,14 @@ Other files of this directory import ``Sim`` and ``make_request`` from here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conveyor.engine.core import EngineCore
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
@@ -39,70 +43,98 @@ def token_at(seed: int, k: int) -> int:
     return 1 + (seed * 7919 + k * 104729) % (VOCAB - 1)
 
 
+@dataclass(slots=True, eq=False)
+class OracleRequest(Request):
+    """A request that knows its true output length (the test's oracle; the executor never sees it)."""
+
+    out_len: int | None = None
+
+
 def make_request(rid: str, prompt: list[int], max_tokens: int | None, *, out_len: int | None = None,
                  priority: int = 0, ignore_eos: bool = False, max_model_len: int | None = None,
-                 seed: int = 0, leader: Request | None = None) -> Request:
+                 seed: int = 0, leader: Request | None = None) -> OracleRequest:
     """A greedy request whose EOS comes at output index out_len - 1 (never if out_len is None)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0)
     params.eos_token_ids = (EOS,)
-    req = Request(rid, list(prompt), params, seed=seed, priority=priority, max_model_len=max_model_len,
-                  prefill_leader=leader)
-    req.output = out_len   # the fake executor reads the target length from here
-    return req
+    return OracleRequest(rid, list(prompt), params, seed=seed, priority=priority, max_model_len=max_model_len,
+                         prefill_leader=leader, out_len=out_len)
 
 
-def expected_output(req: Request) -> list[int]:
-    out_len = req.output
+def expected_output(req: OracleRequest) -> list[int]:
     toks = []
     for k in range(req.max_tokens):
-        eos = out_len is not None and k == out_len - 1
+        eos = req.out_len is not None and k == req.out_len - 1
         toks.append(EOS if eos else token_at(req.seed, k))
         if eos and not req.params.ignore_eos:
             break
     return toks
 
 
-class FakeExecutor:
-    """Shadow KV memory + deterministic sampling."""
+class InjectedFault(RuntimeError):
+    pass
 
-    def __init__(self, kv: KVCacheManager):
+
+class FakeExecutor:
+    """Shadow KV memory + deterministic sampling, behind the engine core's Executor protocol.
+
+    ``fault(phase)`` (phase "swap" or "execute") may return True to raise InjectedFault in that
+    phase; "execute" faults strike after the step's KV writes, like a forward pass dying midway.
+    ``on_call()`` runs at the start of every swap() and execute(), before anything of the step runs.
+    """
+
+    def __init__(self, kv: KVCacheManager, oracle: Callable[[str], OracleRequest]):
         self.kv = kv
+        self.oracle = oracle
         bs = kv.block_size
         self.device: list[list[int | None]] = [[None] * bs for _ in range(kv.num_blocks)]
-        self.host: list[list[int | None]] = [[None] * bs for _ in range(kv.host.num_blocks)]
+        self.host: list[list[int | None]] = [[None] * bs for _ in range(kv.num_host_blocks)]
+        self.fault: Callable[[str], bool] = lambda phase: False
+        self.on_call: Callable[[], None] = lambda: None
+        self.during_execute: Callable[[], None] = lambda: None
 
-    def __call__(self, out: SchedulerOutput) -> ModelOutput:
-        bs = self.kv.block_size
-        swap_out_hosts = {h for _, h in out.swap_out}
-        swap_in_hosts = {h for h, _ in out.swap_in}
-        # The runner copies swap-outs before swap-ins: a host block read by a swap-in must not
-        # be overwritten by a swap-out of the same step.
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        self.on_call()
+        swap_out_hosts = {h for _, h in swap_out}
+        swap_in_hosts = {h for h, _ in swap_in}
+        # Swap-outs are copied before swap-ins: a host block read by a swap-in must not be
+        # overwritten by a swap-out of the same step.
         assert not swap_out_hosts & swap_in_hosts, "host block swapped out and in in one step"
-        assert len(swap_out_hosts) == len(out.swap_out) and len(swap_in_hosts) == len(out.swap_in)
-        for d, h in out.swap_out:
+        assert len(swap_out_hosts) == len(swap_out) and len(swap_in_hosts) == len(swap_in)
+        for d, h in swap_out:
             self.host[h] = list(self.device[d])
-        for h, d in out.swap_in:
+        if self.fault("swap"):
+            raise InjectedFault("injected swap failure")
+        for h, d in swap_in:
             self.device[d] = list(self.host[h])
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        self.on_call()
+        bs = self.kv.block_size
         # Writes first (a real forward writes every layer's new KV before attending), then reads.
-        for s in out.scheduled:
-            req, c = s.request, s.request.num_computed_tokens
+        for s in plan.scheduled:
+            truth = self.oracle(s.request_id).all_token_ids
+            c = s.num_computed_tokens
+            assert s.token_ids == truth[c:c + s.num_tokens], f"{s.request_id}: plan tokens are not its tokens"
             for pos in range(c, c + s.num_tokens):
                 b = s.block_table[pos // bs]
-                block = self.kv.pool.blocks[b]
-                assert block.ref_count == 1, f"{req.request_id} writes into shared block {b}"
-                assert block.block_hash is None, f"{req.request_id} writes into cached block {b}"
-                self.device[b][pos % bs] = req.all_token_ids[pos]
+                assert self.kv.ref_count(b) == 1, f"{s.request_id} writes into shared block {b}"
+                assert not self.kv.is_cached(b), f"{s.request_id} writes into cached block {b}"
+                self.device[b][pos % bs] = truth[pos]
+        self.during_execute()
+        if self.fault("execute"):
+            raise InjectedFault("injected forward failure")
         tokens = []
-        for s in out.scheduled:
-            req, c = s.request, s.request.num_computed_tokens
-            for pos in range(c + s.num_tokens):
+        for s in plan.scheduled:
+            req = self.oracle(s.request_id)
+            for pos in range(s.num_computed_tokens + s.num_tokens):
                 got = self.device[s.block_table[pos // bs]][pos % bs]
                 assert got == req.all_token_ids[pos], \
-                    f"{req.request_id}: KV at position {pos} holds {got}, expected {req.all_token_ids[pos]}"
-            if s.sample:
-                k = req.num_output_tokens
-                out_len = req.output
-                tokens.append(EOS if out_len is not None and k == out_len - 1 else token_at(req.seed, k))
+                    f"{s.request_id}: KV at position {pos} holds {got}, expected {req.all_token_ids[pos]}"
+            if s.sampling is not None:
+                k = s.sampling.num_output_tokens
+                assert k == req.num_output_tokens
+                eos = req.out_len is not None and k == req.out_len - 1
+                tokens.append(EOS if eos else token_at(s.sampling.seed, k))
         return ModelOutput(tokens)
 
 
@@ -114,36 +146,70 @@ class StepLog:
     swapped_out: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)   # recompute or swap
     admitted: set[str] = field(default_factory=set)    # WAITING -> RUNNING this step
+    failed: set[str] = field(default_factory=set)      # finished with an error (injected fault)
 
 
 class Sim:
-    """The engine's loop over the real scheduler, with invariant checks after every step."""
+    """EngineCore over the real scheduler and a fake executor, with invariant checks after every step."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 prefix_caching: bool = True, admission: AdmissionPolicy | None = None, check: bool = True):
+                 prefix_caching: bool = True, admission: AdmissionPolicy | None = None, check: bool = True,
+                 max_consecutive_failures: int = 3):
         self.config = config
         self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
         self.sched = Scheduler(config, self.kv, admission)
-        self.exe = FakeExecutor(self.kv)
+        self.all: dict[str, OracleRequest] = {}
+        self.exe = FakeExecutor(self.kv, self.all.__getitem__)
+        self.core = EngineCore(self.sched, self.exe, clock=self._tick, max_consecutive_failures=max_consecutive_failures)
         self.check = check
-        self.all: dict[str, Request] = {}
-        self.ended: set[str] = set()       # finished or aborted
+        self.ended: set[str] = set()       # finished, aborted or failed
         self.log: list[StepLog] = []
+        self.time = 0.0
 
-    def add(self, req: Request) -> Request:
-        self.sched.add_request(req)
+    def _tick(self) -> float:
+        self.time += 1e-3
+        return self.time
+
+    def add(self, req: OracleRequest) -> OracleRequest:
+        self.core.add_request(req)
         self.all[req.request_id] = req
         return req
 
     def abort(self, rid: str) -> None:
-        self.sched.abort_request(rid)
+        self.core.abort_requests([rid])
         self.ended.add(rid)
 
     def step(self, abort_mid: list[str] = ()) -> SchedulerOutput:
         before = {rid: (r.status, r.metrics.num_preemptions) for rid, r in self.all.items()}
-        out = self.sched.schedule()
-        entry = StepLog(out.step, {s.request.request_id: s.num_tokens for s in out.scheduled},
-                        {s.request.request_id for s in out.scheduled if s.sample})
+        entries: list[StepLog] = []
+
+        def on_call() -> None:   # the plan, checked before the executor runs any of it
+            if not entries:
+                entries.append(self._log_plan(self.core.last_plan, before))
+
+        def abort_now() -> None:   # an abort that lands while the step executes
+            for rid in abort_mid:
+                self.abort(rid)
+
+        self.exe.on_call, self.exe.during_execute = on_call, abort_now
+        updates = self.core.step()
+        out = self.core.last_plan
+        if not entries:   # nothing ran: the plan is checked against the (unchanged) state now
+            entries.append(self._log_plan(out, before))
+        entry = entries[0]
+        for u in updates:
+            if u.error is not None:
+                entry.failed.add(u.request_id)
+        for r in self.all.values():
+            if r.is_finished:
+                self.ended.add(r.request_id)
+        if self.check:
+            self.check_state()
+        return out
+
+    def _log_plan(self, out: SchedulerOutput, before: dict) -> StepLog:
+        entry = StepLog(out.step, {s.request_id: s.num_tokens for s in out.scheduled},
+                        {s.request_id for s in out.scheduled if s.sample})
         for rid, r in self.all.items():
             status, preemptions = before[rid]
             if r.metrics.num_preemptions != preemptions:
@@ -156,41 +222,33 @@ class Sim:
         self.log.append(entry)
         if self.check:
             self.check_plan(out, entry)
-        if not out.is_empty:
-            model_out = self.exe(out)
-            for rid in abort_mid:          # an abort that lands while the step executes
-                self.abort(rid)
-            self.sched.update(out, model_out)
-        for r in self.all.values():
-            if r.is_finished:
-                self.ended.add(r.request_id)
-        if self.check:
-            self.check_state()
-        return out
+        return entry
 
     # ---- checks ------------------------------------------------------------------------------
     def check_plan(self, out: SchedulerOutput, entry: StepLog) -> None:
         cfg, kv = self.config, self.kv
-        ids = [s.request.request_id for s in out.scheduled]
+        ids = [s.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids)), f"a request scheduled twice in one step: {ids}"
         assert len(ids) <= cfg.max_num_seqs
         total = sum(s.num_tokens for s in out.scheduled)
         assert total <= cfg.max_num_batched_tokens, f"{total} tokens > budget {cfg.max_num_batched_tokens}"
         assert total == out.num_tokens
         for s in out.scheduled:
-            req = s.request
-            rid = req.request_id
+            rid = s.request_id
+            req = self.all[rid]
             assert rid not in self.ended, f"{rid} ran after it finished/aborted"
             assert req.status == RequestStatus.RUNNING, f"{rid} scheduled while {req.status}"
             assert rid not in entry.swapped_out
             assert req in self.sched.running
             assert s.num_tokens >= 1
+            assert s.num_computed_tokens == req.num_computed_tokens
             assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
             assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens)
             assert s.block_table == kv.block_table(rid)
             assert len(s.block_table) * kv.block_size >= req.num_computed_tokens + s.num_tokens
             assert s.num_tokens <= cfg.prefill_chunk_cap
-        swapped_blocks = sum(len(kv.host_tables[rid]) for rid in entry.swapped_out)
+        assert set(out.swapped_out_ids) == entry.swapped_out
+        swapped_blocks = sum(kv.num_swapped_blocks(rid) for rid in entry.swapped_out)
         assert swapped_blocks == len(out.swap_out)
         self.check_state()
 
@@ -235,7 +293,7 @@ class Sim:
     def check_idle(self) -> None:
         kv = self.kv
         assert kv.num_free_blocks == kv.num_blocks
-        assert kv.host.num_free == kv.host.num_blocks
+        assert kv.num_free_host_blocks == kv.num_host_blocks
         assert not kv.tables and not kv.host_tables and not kv.hashes and not kv.num_registered
         assert not self.sched.running and not self.sched.swapped and len(self.sched.waiting) == 0
 
@@ -266,7 +324,7 @@ class Arrival:
         r, p = self.req, self.req.params
         lead = r.prefill_leader.request_id if r.prefill_leader else None
         return (f"Arrival(step={self.step}, {r.request_id}: prompt={r.prompt_token_ids}, max_tokens={p.max_tokens}, "
-                f"out_len={r.output}, prio={r.priority}, ignore_eos={p.ignore_eos}, "
+                f"out_len={r.out_len}, prio={r.priority}, ignore_eos={p.ignore_eos}, "
                 f"max_model_len={r.max_model_len}, seed={r.seed}, leader={lead}, abort_at={self.abort_at}, "
                 f"mid={self.abort_mid})")
 

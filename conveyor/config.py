@@ -1,0 +1,100 @@
+"""The engine's options, written once.
+
+``EngineConfig`` (and the ``SchedulerConfig`` it holds) is the single source: the flags of
+``conveyor generate`` / ``conveyor serve`` and the keywords of ``LLM(...)`` are generated from
+their fields, names and help texts. No torch here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from conveyor.config_fields import option
+from conveyor.scheduler.config import SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = option(None, "HF model directory or .gguf file (default: the demo model)", cli=False)
+    device: str = option("cpu", "torch device (cpu, cuda)")
+    dtype: str = option("float32", "weights, activations and KV cache dtype")
+    block_size: int = option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides kv_cache_gib)")
+    kv_cache_gib: float = option(1.0, "memory for the KV cache, in GiB")
+    swap_space_gib: float = option(0.5, "host memory for swapped-out KV, in GiB")
+    max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's context, "
+                                             "bounded by the KV cache)")
+    enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    seed: int = option(0, "engine seed for requests that give none")
+    torch_threads: int | None = option(None, "CPU threads for torch (default: all cores; 1 can be faster when "
+                                             "other work shares them)")
+    max_consecutive_step_failures: int = option(
+        3, "failed steps in a row (exceptions in the forward pass, sampling or a swap copy) after which the "
+           "engine gives up; a single failure only fails the requests of its step")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_consecutive_step_failures < 1:
+            raise ValueError("max_consecutive_step_failures must be >= 1")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """A config from flat keywords: EngineConfig's and SchedulerConfig's fields by name."""
+        ours, sched = _split(options)
+        return cls(**ours, scheduler=SchedulerConfig(**sched))
+
+
+def option_names() -> tuple[list[str], list[str]]:
+    """Flat option names of EngineConfig and of SchedulerConfig."""
+    return ([f.name for f in fields(EngineConfig) if f.name != "scheduler"],
+            [f.name for f in fields(SchedulerConfig)])
+
+
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    engine_names, sched_names = option_names()
+    unknown = sorted(set(options) - set(engine_names) - set(sched_names))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; the options are: "
+                        f"{', '.join(engine_names + sched_names)}")
+    return ({k: v for k, v in options.items() if k in engine_names},
+            {k: v for k, v in options.items() if k in sched_names})
+
+
+# ---- command lines ---------------------------------------------------------------------------
+
+def _flag_type(hint: Any) -> type:
+    """int for `int` or `int | None`, and so on."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of EngineConfig and SchedulerConfig (--max-num-seqs, ...)."""
+    group = parser.add_argument_group("engine")
+    for cls in (EngineConfig, SchedulerConfig):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta or not meta.get("cli"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _flag_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            else:
+                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"], help=meta["help"])
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig that parsed flags (from add_engine_args) describe."""
+    engine_names, sched_names = option_names()
+    options = {name: getattr(args, name) for name in engine_names + sched_names if hasattr(args, name)}
+    options.update(overrides)
+    return EngineConfig.from_options(**options)

@@ -1,0 +1,182 @@
+"""The engine core: the one place where a step happens (schedule -> execute -> update).
+
+The model engine, the simulator and the tests all step through ``EngineCore.step()``; only
+the executor (the model runner, a cost model, a fake) and the clock (monotonic or simulated
+time) differ. A failing executor fails the requests of its step, not the engine: their KV
+blocks are freed and the next step runs as usual. Only ``max_consecutive_failures`` failed
+steps in a row, or a failure inside the scheduler itself, mark the core dead.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from conveyor.request import Request, RequestMetrics, RequestStatus
+from conveyor.scheduler.output import ModelOutput, SchedulerOutput
+from conveyor.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can no longer run steps (repeated failures, a scheduler fault, or shutdown)."""
+
+
+class Executor(Protocol):
+    """Runs a step's plan: the model runner, the simulator's cost model, the tests' fake."""
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy KV blocks device -> host (swap_out: (device, host)), then host -> device."""
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        """Compute the plan's tokens and sample one token per sequence whose ``sampling`` is set."""
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What happened to one sequence in a step: a new token, a finish, or both; or an error."""
+
+    request_id: str
+    token_id: int | None
+    logprobs: dict[int, float] | None
+    finish_reason: str | None          # "stop", "length" or "error" once finished
+    stop_reason: int | str | None
+    error: str | None
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class CoreStats:
+    step_failures: int = 0             # steps whose executor raised
+    consecutive_step_failures: int = 0
+    last_step_time: float = 0.0        # seconds in the latest step()
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor, clock: Callable[[], float] = time.monotonic,
+                 max_consecutive_failures: int = 3):
+        assert max_consecutive_failures >= 1
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock
+        scheduler.clock = clock
+        self.max_consecutive_failures = max_consecutive_failures
+        self.stats = CoreStats()
+        self.dead_reason: str | None = None
+        self.last_plan: SchedulerOutput | None = None
+
+    @property
+    def dead(self) -> bool:
+        return self.dead_reason is not None
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+
+    def finish_request(self, request_id: str, status: RequestStatus, reason: int | str | None = None) -> None:
+        """Finish a live request from outside the step (a stop string found in its text)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish_request(request, status, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[SeqUpdate]:
+        """One iteration; an update for every sequence that got a token, finished or failed."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.last_step_time = time.perf_counter() - t0
+
+    def _step(self) -> list[SeqUpdate]:
+        try:
+            plan = self.scheduler.schedule()
+        except Exception as e:   # noqa: BLE001 - the scheduler's state can no longer be trusted
+            return self._die("the scheduler failed", e)
+        self.last_plan = plan
+        if plan.is_empty:
+            return []
+        scheduled = [s.request_id for s in plan.scheduled]
+        if plan.has_swaps:
+            try:
+                self.executor.swap(plan.swap_out, plan.swap_in)
+            except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
+                return self._step_failed("a KV swap copy failed", e, scheduled + plan.swapped_out_ids)
+        model_out = ModelOutput([])
+        if plan.scheduled:
+            try:
+                model_out = self.executor.execute(plan)
+                expected = sum(1 for s in plan.scheduled if s.sampling is not None)
+                if len(model_out.token_ids) != expected:
+                    raise RuntimeError(f"the executor returned {len(model_out.token_ids)} tokens for "
+                                       f"{expected} sampling sequences")
+            except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
+                return self._step_failed("the forward pass or sampling failed", e, scheduled)
+        self.stats.consecutive_step_failures = 0
+        try:
+            touched = self.scheduler.update(plan, model_out)
+        except Exception as e:   # noqa: BLE001
+            return self._die("the scheduler's update failed", e)
+        return self._updates(plan, model_out, touched)
+
+    @staticmethod
+    def _updates(plan: SchedulerOutput, model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:
+        logprobs: dict[str, dict[int, float] | None] = {}
+        if model_out.logprobs is not None:
+            sampled = (s.request_id for s in plan.scheduled if s.sampling is not None)
+            logprobs = dict(zip(sampled, model_out.logprobs))
+        return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id),
+                          r.finish_reason, r.stop_reason, None, r.metrics) for r in touched]
+
+    def _step_failed(self, what: str, error: Exception, request_ids: list[str]) -> list[SeqUpdate]:
+        s = self.stats
+        s.step_failures += 1
+        s.consecutive_step_failures += 1
+        message = f"{what}: {type(error).__name__}: {error}"
+        logger.error("step failed, failing its %d request(s): %s", len(request_ids), message, exc_info=error)
+        updates = self._fail(request_ids, message)
+        if s.consecutive_step_failures >= self.max_consecutive_failures:
+            updates += self._die(f"{s.consecutive_step_failures} consecutive steps failed, the last with: "
+                                 f"{message}", None)
+        return updates
+
+    def _fail(self, request_ids: list[str], message: str) -> list[SeqUpdate]:
+        failed = self.scheduler.fail_requests(request_ids, message)
+        return [SeqUpdate(r.request_id, None, None, "error", None, message, r.metrics) for r in failed]
+
+    def _die(self, what: str, error: Exception | None) -> list[SeqUpdate]:
+        """Mark the core dead and fail every live request."""
+        reason = what if error is None else f"{what}: {type(error).__name__}: {error}"
+        if error is not None:
+            logger.error("engine core failed: %s", reason, exc_info=error)
+        self.dead_reason = reason
+        live = list(self.scheduler.requests)
+        try:
+            return self._fail(live, f"the engine stopped: {reason}")
+        except Exception:   # noqa: BLE001 - the state is broken; report the requests anyway
+            logger.exception("could not release the requests of a dead engine")
+            return [SeqUpdate(rid, None, None, "error", None, f"the engine stopped: {reason}",
+                              RequestMetrics(0.0)) for rid in live]
+
+    def stats_dict(self) -> dict:
+        d = self.scheduler.stats_dict()
+        s = self.stats
+        d.update(step_failures=s.step_failures, consecutive_step_failures=s.consecutive_step_failures,
+                 last_step_time=s.last_step_time, engine_dead=self.dead)
+        return d

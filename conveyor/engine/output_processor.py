@@ -1,0 +1,200 @@
+"""From the core's per-sequence updates to what callers receive, keyed by request id.
+
+Owns everything about a request's output that is not scheduling: the ``n`` sibling
+sequences of one request, incremental detokenization, stop strings (scanned incrementally,
+see stop_strings.py), the text held back while it may still become a stop string, and the
+deltas already sent. It never finishes a request itself: a stop string it finds comes back
+as a finish command that the engine hands to the core (the scheduler's ``finish_request``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from conveyor.engine.core import SeqUpdate
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.stop_strings import StopScanner
+from conveyor.request import RequestMetrics, RequestStatus
+from conveyor.sampling.params import SamplingParams
+from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FinishCommand:
+    """Ask the core to finish a sequence: a stop string was found, or a sibling failed."""
+
+    seq_id: str
+    status: RequestStatus
+    reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopScanner | None
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    text: str = ""                 # text so far, cut at a stop string
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_len(self) -> int:
+        """Text that can be shown now: all once finished, else without a tail that may become a stop string."""
+        held = 0 if self.finished or self.stops is None else self.stops.held
+        return max(len(self.text) - held, self.sent_text)
+
+
+@dataclass(slots=True)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | None
+    seqs: list[_Seq]
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._seqs: dict[str, tuple[_Group, _Seq]] = {}
+        self._to_report: dict[str, _Group] = {}   # changed outside a step (abort)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            seqs: list[tuple[str, RequestMetrics]]) -> None:
+        """Register a request and its sibling sequences (sequence id, metrics) before they run."""
+        assert request_id not in self._groups
+        group = _Group(request_id, prompt, prompt_token_ids, params, [])
+        for i, (seq_id, metrics) in enumerate(seqs):
+            seq = _Seq(seq_id, i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                       StopScanner(params.stop) if params.stop else None, metrics)
+            group.seqs.append(seq)
+            self._seqs[seq_id] = (group, seq)
+        self._groups[request_id] = group
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def abort(self, request_id: str, report: bool = True) -> list[str]:
+        """Mark a request aborted; returns the ids of its sequences the core must abort."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        live = [s.seq_id for s in group.seqs if not s.finished]
+        for s in group.seqs:
+            if not s.finished:
+                s.finish_reason = "abort"
+        if report:
+            self._to_report[request_id] = group
+        else:
+            self._forget(group)
+        return live
+
+    # ---- a step's updates ------------------------------------------------------------------
+    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[FinishCommand]]:
+        """Outputs of every request that changed, and the finishes the core must apply."""
+        changed, commands = self._to_report, []
+        self._to_report = {}
+        for u in updates:
+            found = self._seqs.get(u.request_id)
+            if found is None:
+                continue
+            group, seq = found
+            changed[group.request_id] = group
+            try:
+                self._apply(group, seq, u, commands)
+            except Exception as e:   # noqa: BLE001 - one request's output must not break the others
+                logger.exception("output processing failed for request %s", group.request_id)
+                self._fail(group, f"output processing failed: {type(e).__name__}: {e}", commands)
+        outputs = []
+        for group in changed.values():
+            outputs.append(self._output(group))
+            if group.finished:
+                self._forget(group)
+        return outputs, commands
+
+    def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
+        seq.metrics = u.metrics
+        if u.error is not None:
+            self._fail(group, u.error, commands)
+            return
+        if seq.finished:   # e.g. a stop string already ended it: a late token is not shown
+            return
+        new = ""
+        if u.token_id is not None:
+            seq.token_ids.append(u.token_id)
+            if group.params.logprobs is not None:
+                seq.logprobs.append(u.logprobs)
+            new = seq.detok.add([u.token_id])
+        if u.finish_reason is not None:
+            new += seq.detok.flush()
+        hit = seq.stops.feed(new) if seq.stops is not None and new else None
+        if hit is not None:
+            end, stop = hit
+            cut = end if group.params.include_stop_str_in_output else end - len(stop)
+            seq.text += new[:max(cut, 0)]
+            if cut < 0:   # the stop string began in text already appended (held back, not yet sent)
+                seq.text = seq.text[:len(seq.text) + cut]
+            if u.finish_reason is None:
+                commands.append(FinishCommand(seq.seq_id, RequestStatus.FINISHED_STOPPED, stop))
+            # finished by eos/length with the same token: the stop string wins
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return
+        seq.text += new
+        if u.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+
+    def _fail(self, group: _Group, message: str, commands: list[FinishCommand]) -> None:
+        """The whole request fails with `message`; its live siblings are aborted."""
+        group.error = message
+        for s in group.seqs:
+            if not s.finished:
+                commands.append(FinishCommand(s.seq_id, RequestStatus.FINISHED_ABORTED))
+                s.finish_reason = "error"
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        self._to_report.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seqs.pop(s.seq_id, None)
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def _output(self, group: _Group) -> RequestOutput:
+        if group.error is not None:
+            return error_output(group.request_id, group.error, group.prompt, group.prompt_token_ids)
+        completions = []
+        for s in group.seqs:
+            shown = s.visible_len()
+            completions.append(CompletionOutput(
+                s.index, s.text[:shown], list(s.token_ids), list(s.logprobs) if group.params.logprobs is not None
+                else None, s.finish_reason, s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:]))
+            s.sent_text, s.sent_tokens = shown, len(s.token_ids)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
+                             [s.metrics for s in group.seqs])
+
+
+def error_output(request_id: str, message: str, prompt: str | None = None,
+                 prompt_token_ids: list[int] | None = None) -> RequestOutput:
+    return RequestOutput(request_id, prompt, prompt_token_ids or [],
+                         [CompletionOutput(0, "", [], None, "error", message)], True, error=message)
