@@ -1,4 +1,4 @@
-"""Tokenizer (HF directory or GGUF), chat templates, incremental detokenization, stop strings."""
+"""Tokenizer (HF directory or GGUF), chat templates, incremental detokenization."""
 from __future__ import annotations
 
 import json
@@ -265,31 +265,6 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, end
         self._prefix_len, self._emitted = new_prefix_len, emitted_past_end
         return delta
-
-
-# ---- stop strings ----
-
-def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> int | None:
-    """Start of the earliest stop string in `text` that overlaps its last `num_new_chars` chars."""
-    best: int | None = None
-    for s in stop:
-        if not s:
-            continue
-        idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best
-
-
-def safe_prefix_len(text: str, stop: list[str]) -> int:
-    """Length of the prefix of `text` that no future stop string match can include."""
-    held = 0
-    for s in stop:
-        for k in range(min(len(s), len(text)), held, -1):
-            if text.endswith(s[:k]):
-                held = k
-                break
-    return len(text) - held
 
 
 # ---- helpers ----

@@ -8,9 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.tokenizer import (
-    IncrementalDetokenizer, Tokenizer, find_stop_string, safe_prefix_len,
-)
+from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -298,60 +296,3 @@ def test_incremental_random_ids(tok, ids, rng, skip):
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     deltas = _stream(detok, ids, [rng.randint(1, 3) for _ in range(len(ids) // 2)])
     assert "".join(deltas) + detok.flush() == detok.text == tok.decode(ids, skip_special_tokens=skip)
-
-
-# ---- stop strings ----
-
-def test_find_stop_string_basics():
-    assert find_stop_string("hello world", 5, ["world"]) == 6
-    assert find_stop_string("hello world", 1, ["lo w", "ld"]) == 9  # "lo w" lies in old text only
-    assert find_stop_string("hello world", 11, ["lo w", "ld"]) == 3
-    assert find_stop_string("hello", 5, ["", "xyz"]) is None
-    assert find_stop_string("abcabc", 2, ["abc"]) == 3
-
-
-def test_stop_string_spanning_tokens(tok):
-    text, stop = "The answer is 42. STOP here and more", ["STOP here", "\n\n"]
-    ids = tok.encode(text)
-    assert len(ids) > 8
-    detok, emitted, found = IncrementalDetokenizer(tok), "", None
-    for i in ids:
-        delta = detok.add([i])
-        found = find_stop_string(detok.text, len(delta), stop)
-        if found is not None:
-            break
-        emitted = detok.text[:safe_prefix_len(detok.text, stop)]
-        assert "The answer is 42. ".startswith(emitted)
-    assert found == text.index("STOP")
-    assert detok.text[:found] == "The answer is 42. "
-    assert emitted == "The answer is 42. "  # " STOP" pieces were held back while incomplete
-
-
-def test_safe_prefix_len():
-    assert safe_prefix_len("abc<|", ["<|end|>"]) == 3
-    assert safe_prefix_len("abc<|en", ["<|end|>", "xyz"]) == 3
-    assert safe_prefix_len("abc", ["<|end|>"]) == 3
-    assert safe_prefix_len("ab", ["b", "abc"]) == 0
-    assert safe_prefix_len("", ["x"]) == 0
-
-
-@FAST
-@given(st.text(alphabet="ab ", max_size=20), st.lists(st.text(alphabet="ab ", min_size=1, max_size=4),
-                                                     min_size=1, max_size=3), st.randoms(use_true_random=False))
-def test_stop_streaming_matches_brute_force(text, stop, rng):
-    pos = 0
-    while pos < len(text):
-        n = rng.randint(1, 3)
-        pos = min(len(text), pos + n)
-        window = text[:pos]
-        # every match that is not entirely inside the text seen before this chunk
-        starts = [i for s in stop for i in range(len(window) - len(s) + 1)
-                  if window.startswith(s, i) and i + len(s) > pos - n]
-        found = find_stop_string(window, n, stop)
-        assert found == min(starts, default=None)
-        if found is not None:
-            return
-        assert not any(s in window[:safe_prefix_len(window, stop)] for s in stop)
-        held = window[safe_prefix_len(window, stop):]
-        assert held == "" or any(s.startswith(held) for s in stop)
-    assert not any(s in text for s in stop)

@@ -56,6 +56,9 @@ class EngineClient(Protocol):
     @property
     def is_healthy(self) -> bool: ...
 
+    @property
+    def dead_reason(self) -> str | None: ...
+
     async def shutdown(self, timeout: float = 30.0) -> None: ...
 
 

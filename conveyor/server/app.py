@@ -12,8 +12,8 @@ from fastapi.responses import Response
 from conveyor.engine.async_engine import EngineClient
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
-from conveyor.server.errors import APIError, bad_request, install_error_handlers
-from conveyor.server.inputs import chat_prompt
+from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
+from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -46,7 +46,8 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)   # added last = runs first
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(InternalErrorMiddleware)   # added last = runs first
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -68,7 +69,9 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     async def health() -> Response:
         if client.is_healthy:
             return Response(status_code=200)
-        return APIError(503, "the engine is not running", code="unavailable").response()
+        reason = client.dead_reason
+        return APIError(503, "the engine is not running" + (f": {reason}" if reason else " (shutting down)"),
+                        code="unavailable").response()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -79,10 +82,11 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
+        chars = text_chars(body.messages, body.prompt)
         if body.messages is not None:
-            ids = chat_prompt(client, body.messages, body.add_generation_prompt).token_ids
+            ids = (await off_loop_if_big(chars, chat_prompt, client, body.messages, body.add_generation_prompt)).token_ids
         else:
-            ids = client.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await off_loop_if_big(chars, encode, client, body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids)
 
     @app.post("/detokenize")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.completions import usage_of
 from conveyor.server.errors import APIError
-from conveyor.server.inputs import chat_prompt, chat_sampling, fit_to_context
+from conveyor.server.inputs import chat_prompt, chat_sampling, fit_to_context, off_loop_if_big, text_chars
 from conveyor.server.logprobs import chat_logprobs
 from conveyor.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage)
@@ -31,7 +31,8 @@ class _Job(Job):
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     model = state.check_model(req.model)
     params = chat_sampling(req)
-    prompt = chat_prompt(state.client, req.messages, req.add_generation_prompt)
+    prompt = await off_loop_if_big(text_chars(req.messages), chat_prompt, state.client, req.messages,
+                                   req.add_generation_prompt)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = fit_to_context(state.client, prompt, params, "messages", max_param)
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)

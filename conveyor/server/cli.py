@@ -59,6 +59,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             await super().shutdown(sockets)
             await drain
 
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.should_exit:   # a second SIGTERM / Ctrl-C while draining: do not wait any longer
+                logging.getLogger("conveyor.server").warning(
+                    "%s during the graceful shutdown: exiting now", signal.Signals(sig).name)
+                logging.shutdown()
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine.from_config(config_from_args(args, model=args.model), max_waiting=args.max_waiting or None)
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server.errors import APIError
-from conveyor.server.inputs import completion_prompts, completion_sampling, fit_to_context
+from conveyor.server.inputs import (completion_prompts, completion_sampling, fit_to_context, off_loop_if_big,
+                                   text_chars)
 from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                       UsageInfo)
@@ -23,7 +24,7 @@ from conveyor.server.state import ServerState
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(req.model)
     params = completion_sampling(req)
-    prompts = completion_prompts(state.client, req.prompt)
+    prompts = await off_loop_if_big(text_chars(req.prompt), completion_prompts, state.client, req.prompt)
     per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
     job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
     streams = submit(state.client, job.id, prompts, per_prompt, req.priority)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -10,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.server.protocol import ErrorInfo, ErrorResponse
 
@@ -33,7 +35,15 @@ class APIError(Exception):
                                              code=self.code)).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting user input that holds a lone
+    surrogate must still encode (it would raise in UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -75,7 +85,32 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, f"internal server error: {type(exc).__name__}").response()
+
+class InternalErrorMiddleware:
+    """Any other exception: an OpenAI-style 500, and the keep-alive connection stays usable.
+
+    (Starlette's own last-resort handler re-raises after answering, and uvicorn then drops the
+    connection, failing the client's next request on it too.) A response already under way
+    (a stream) cannot change its status: it is cut, and the error is logged.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:   # noqa: BLE001 - the last resort
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                err = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+                await err.response()(scope, receive, send)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from conveyor.engine.async_engine import EngineClient
 from conveyor.sampling.params import SamplingParams
@@ -10,6 +13,7 @@ from conveyor.server.errors import APIError, bad_request
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 MAX_N = 16
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -23,15 +27,64 @@ class Prompt:
 
 # ---- prompts --------------------------------------------------------------------------------
 
+# Inputs with more characters than this are tokenized in a worker thread, off the event loop.
+OFF_LOOP_CHARS = 20_000
+
+
+def text_chars(*values: object) -> int:
+    """Characters of text in a request's prompts or messages (strings nested in lists, dicts, models)."""
+    total, stack = 0, list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, ChatMessage):
+            stack.append(v.model_dump(exclude_none=True))
+    return total
+
+
+async def off_loop_if_big(chars: int, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), in a worker thread when the input is big (tokenizing 1 MB takes ~0.5 s)."""
+    if chars > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def check_text_size(client: EngineClient, chars: int, param: str) -> None:
+    """Reject a text that cannot fit the context whatever its tokens, without tokenizing it: no
+    token is longer than the vocabulary's longest, so it has at least chars / that many tokens."""
+    longest = client.tokenizer.max_token_chars
+    least = -(-chars // longest)
+    if least >= client.max_model_len:
+        raise APIError(400, f"the input has {chars} characters, so at least {least} tokens (no token of this "
+                            f"model is longer than {longest} characters): more than this server's context of "
+                            f"{client.max_model_len} tokens", param=param, code="context_length_exceeded")
+
+
+def encode(client: EngineClient, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        return client.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except ValueError as e:   # not valid Unicode (a lone surrogate)
+        raise bad_request(str(e), param) from e
+
+
 def completion_prompts(client: EngineClient, prompt: str | list) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     if isinstance(prompt, str):
-        return [Prompt(prompt, client.tokenizer.encode(prompt))]
+        check_text_size(client, len(prompt), "prompt")
+        return [Prompt(prompt, encode(client, prompt, "prompt"))]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
         return [Prompt(None, list(prompt))]
-    return [Prompt(p, client.tokenizer.encode(p)) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+    for p in prompt:
+        if isinstance(p, str):
+            check_text_size(client, len(p), "prompt")
+    return [Prompt(p, encode(client, p, "prompt")) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
 
 
 def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -56,7 +109,8 @@ def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generatio
         text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
     except Exception as e:   # noqa: BLE001 - a template raising on these messages is a bad request
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
-    return Prompt(text, tok.encode(text, add_special_tokens=False))
+    check_text_size(client, len(text), "messages")
+    return Prompt(text, encode(client, text, "messages", add_special_tokens=False))
 
 
 # ---- sampling parameters -------------------------------------------------------------------

@@ -54,6 +54,10 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prefill tokens computed (recomputation included, cache hits not).",
                       s["prompt_tokens_total"])
         yield counter("generation_tokens", "Tokens generated.", s["generation_tokens_total"])
+        yield counter("engine_step_failures", "Engine steps whose forward pass, sampling or swap copy raised "
+                      "(their requests failed, the engine went on).", s["step_failures"])
+        yield gauge("engine_dead", "1 once the engine stopped serving (repeated step failures).",
+                    float(s["engine_dead"]))
         pre = CounterMetricFamily("conveyor:num_preemptions", "Preemptions, by how the KV was given back.",
                                   labels=["model_name", "mode"])
         pre.add_metric(m + ["swap"], s["num_swaps_out"])

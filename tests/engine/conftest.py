@@ -13,7 +13,6 @@ from conveyor.model.config import ModelConfig
 from conveyor.model.ops import make_ops
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.model.loader import LoadedModel, demo_model_path
-from conveyor.scheduler.config import SchedulerConfig
 from conveyor.tokenizer import Tokenizer
 
 TINY = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -48,10 +47,9 @@ def demo_tokenizer() -> Tokenizer:
 def make_engine(demo_tokenizer):
     model = tiny_model()
 
-    def make(num_kv_blocks: int = 512, block_size: int = 16, swap_space_gib: float = 0.05,
-             enable_prefix_caching: bool = True, **sched) -> Engine:
-        cfg = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, swap_space_gib=swap_space_gib,
-                           enable_prefix_caching=enable_prefix_caching, scheduler=SchedulerConfig(**sched))
+    def make(num_kv_blocks: int = 512, block_size: int = 16, swap_space_gib: float = 0.05, **options) -> Engine:
+        cfg = EngineConfig.from_options(num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                        swap_space_gib=swap_space_gib, **options)
         return Engine(cfg, loaded=LoadedModel(TINY, model, demo_tokenizer, demo_model_path(), "tiny"))
 
     return make

@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.sampling.params import SamplingParams
-from conveyor.sampling.sampler import Sampler, SamplingRow, _apply_penalties, _top_p, uniforms
+from conveyor.sampling.sampler import (NonFiniteLogitsError, Sampler, SamplingRow, _apply_penalties, _inverse_cdf, _top_p,
+                                       uniforms)
 
 sample = Sampler()
 
@@ -247,3 +248,29 @@ def test_input_logits_are_not_modified():
             row(seed=3, logprobs=2)]
     sample(logits, rows)
     assert torch.equal(logits, original)
+
+
+# ---- robustness: non-finite logits, underflowing top_p, rows with no mass ---------------------
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.7, seed=1), dict(temperature=0.0, logprobs=2)])
+def test_nan_or_infinite_logits_raise_a_clear_error(kw):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    logits[1, 5] = float("nan")
+    with pytest.raises(NonFiniteLogitsError, match="1 of 3"):
+        sample(logits, [row(**kw) for _ in range(3)])
+    logits[1, 5], logits[2] = 0.0, -torch.inf
+    with pytest.raises(NonFiniteLogitsError):
+        sample(logits, [row(**kw) for _ in range(3)])
+
+
+def test_top_p_underflowing_to_zero_keeps_the_most_likely_token():
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(4))
+    for kw in (dict(top_p=1e-50), dict(top_p=1e-50, top_k=20)):
+        out = sample(logits, [row(seed=i, temperature=1.0, **kw) for i in range(8)])
+        assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_a_row_with_no_mass_takes_its_most_likely_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    weights = torch.tensor([[0.0, 0.0, 0.0], [float("nan")] * 3])
+    assert _inverse_cdf(weights, torch.tensor([0.5, 0.5]), logits).tolist() == [1, 0]

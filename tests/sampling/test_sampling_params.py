@@ -46,6 +46,8 @@ def test_valid_edges_accepted():
     (dict(frequency_penalty="1"), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=math.inf), "repetition_penalty"),
+    (dict(repetition_penalty=1e-39), "repetition_penalty"),   # subnormal in fp32: logits / it overflow
+    (dict(repetition_penalty=1e3), "repetition_penalty"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature="hot"), "temperature"),

@@ -21,7 +21,6 @@ import uvicorn
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.model.loader import LoadedModel, load_model
-from conveyor.scheduler.config import SchedulerConfig
 from conveyor.server.app import build_app
 
 
@@ -88,9 +87,11 @@ class ServerHandle:
 
 
 def start_server(loaded: LoadedModel, *, num_kv_blocks: int = 256, max_num_seqs: int = 32,
-                 max_waiting: int | None = None, enable_prefix_caching: bool = True, **app_kwargs) -> ServerHandle:
-    config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=16, enable_prefix_caching=enable_prefix_caching,
-                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512))
+                 max_waiting: int | None = None, enable_prefix_caching: bool = True,
+                 engine_options: dict | None = None, **app_kwargs) -> ServerHandle:
+    config = EngineConfig.from_options(num_kv_blocks=num_kv_blocks, block_size=16,
+                                       enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=512, **(engine_options or {}))
     engine = AsyncEngine(Engine(config, loaded=loaded), max_waiting=max_waiting)
     app = build_app(engine, log_interval=app_kwargs.pop("log_interval", 0), shutdown_timeout=5, **app_kwargs)
     port = free_port()
