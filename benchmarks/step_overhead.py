@@ -2,8 +2,9 @@
 
 Everything that is not the forward pass counts: scheduling, building the input tensors,
 sampling, updating requests, detokenization and stop checks, output objects. Measured on the
-demo model (fp32) for decode at batch 1 and batch 32, for two versions of the code in the
-same run: a baseline (a git ref, checked out into a temporary worktree) and the working
+demo model (fp32) for decode at batch 1 and batch 32, and at batch 32 where one request carries
+64 stop strings of 256 characters (the most a request may have now; they never match), for two
+versions of the code in the same run: a baseline (a git ref, checked out into a temporary worktree) and the working
 tree, alternating A/B rounds in fresh processes; medians per round, then the median ratio.
 
     python benchmarks/step_overhead.py [--baseline REF] [--rounds 3]
@@ -23,7 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = {"decode_b1": (1, 160), "decode_b32": (32, 64)}   # name -> (requests, output tokens)
+# name -> (requests, output tokens, stop strings on the first request)
+SCENARIOS = {"decode_b1": (1, 160, 0), "decode_b32": (32, 64, 0), "decode_b32_one_with_stops": (32, 64, 64)}
 
 
 def worker() -> dict:
@@ -47,11 +49,13 @@ def worker() -> dict:
 
     model.forward = timed_forward
     result = {}
-    for name, (batch, out_len) in SCENARIOS.items():
+    for name, (batch, out_len, num_stops) in SCENARIOS.items():
+        stops = [f"<never {k}>" + "~" * 240 for k in range(num_stops)]
         for rep in range(2):    # the first round warms up (kernel build, allocator)
             for i in range(batch):
                 engine.add_request([100 + (i * 37 + j * 11) % 30000 for j in range(32)],
-                                   SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+                                   SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True,
+                                                  stop=stops if i == 0 else None))
             overheads, steps = [], []
             while engine.has_unfinished_requests():
                 in_forward[0] = 0.0

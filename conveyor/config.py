@@ -13,15 +13,18 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from conveyor.config_fields import option
+from conveyor.config_fields import check_choice, option
 from conveyor.scheduler.config import SchedulerConfig
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = option(None, "HF model directory or .gguf file (default: the demo model)", cli=False)
     device: str = option("cpu", "torch device (cpu, cuda)")
-    dtype: str = option("float32", "weights, activations and KV cache dtype")
+    dtype: str = option("float32", "weights, activations and KV cache dtype (bfloat16 runs on the portable torch "
+                                   "path; fp32 is the tested default)", choices=DTYPES)
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides kv_cache_gib)")
     kv_cache_gib: float = option(1.0, "memory for the KV cache, in GiB")
@@ -38,6 +41,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        check_choice("dtype", self.dtype, DTYPES)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_consecutive_step_failures < 1:

@@ -31,7 +31,6 @@ from conveyor.scheduler.scheduler import Scheduler
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
 
 GIB = 1 << 30
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class InvalidRequestError(ValueError):
@@ -50,8 +49,6 @@ class ProcessedInput:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {config.dtype!r}")
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         dtype = getattr(torch, config.dtype)

@@ -18,21 +18,18 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     """``LLM(model, **options)``: options are EngineConfig's and SchedulerConfig's fields by name
-    (``max_num_seqs``, ``block_size``, ``preemption_mode``, ...); or pass ``config=EngineConfig(...)``."""
+    (``max_num_seqs``, ``block_size``, ``preemption_mode``, ...); or ``config=EngineConfig(...)``; or
+    ``engine=`` an Engine built elsewhere (e.g. around a model already in memory)."""
 
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options: Any):
-        if config is None:
-            config = EngineConfig.from_options(model=model, **options)
-        elif model is not None or options:
-            raise TypeError("give either config= or a model and options, not both")
-        self.engine = Engine(config)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, engine: Engine | None = None,
+                 **options: Any):
+        if (config is not None) + (engine is not None) + (model is not None or bool(options)) > 1:
+            raise TypeError("give one of: a model and options, config=, engine=")
+        self.engine = engine or Engine(config or EngineConfig.from_options(model=model, **options))
 
     @classmethod
     def from_engine(cls, engine: Engine) -> LLM:
-        """The offline API over an Engine built elsewhere (e.g. around a model already in memory)."""
-        llm = object.__new__(cls)
-        llm.engine = engine
-        return llm
+        return cls(engine=engine)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -23,7 +23,7 @@ from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
 
 EOS = 0
-IDLE_STEP_S = 1e-3   # simulated time that passes when a step has nothing to run
+IDLE_STEP_S = 1e-3   # simulated time that passes when a step computes nothing
 
 
 class SimClock:
@@ -132,7 +132,7 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
         steps += 1
         if steps > max_steps:
             raise RuntimeError("simulation did not finish")
-        if core.last_plan.is_empty:
+        if not core.last_plan.scheduled:   # nothing computed (a swap-only step costs no modelled time yet)
             clock.advance(IDLE_STEP_S)
         for u in updates:
             if u.token_id is not None and u.request_id not in started:
