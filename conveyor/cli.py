@@ -1,4 +1,4 @@
-"""`conveyor` command line: generate (offline batch), serve (OpenAI-compatible HTTP) and bench."""
+"""`conveyor` command line: generate (offline batch), serve (OpenAI-compatible HTTP), profile, simulate, plot, bench."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 from conveyor.bench.serve import add_parser as add_serve_bench_parser
 from conveyor.config import add_engine_args, config_from_args
+from conveyor.plot import add_parser as add_plot_parser
 from conveyor.server.cli import add_serve_parser
+from conveyor.sim.cli import add_parser as add_simulate_parser
 
 
 def read_prompts(path: Path) -> list[str | dict]:
@@ -53,6 +55,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from conveyor.engine.engine import Engine
+    from conveyor.paths import profile_path
+    from conveyor.profile import profile
+
+    engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
+    model = profile(engine, quick=args.quick, repeats=args.repeats)
+    out = Path(args.out) if args.out else profile_path(engine.model_name, engine.config.dtype)
+    model.save(out)
+    fit = model.meta["fit"]
+    print(f"{fit['samples']} step shapes fitted within {100 * fit['mean_abs_rel_error']:.1f}% on average "
+          f"(worst {100 * fit['max_abs_rel_error']:.1f}%); decode at batch 1 {1e3 * model.token_cost(1):.1f} ms, "
+          f"swap {1e3 * model.swap_block:.2f} ms per block")
+    print(f"saved {out}")
+    return 0
+
+
+def add_profile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the engine on this machine and fit the simulator's cost model",
+                       description="Sweep prefill chunks, decode batches, mixed steps and swap copies through the "
+                                   "real engine; fit and save the cost model that `conveyor simulate` and the auto "
+                                   "preemption mode use (a minute or two).")
+    p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: the demo model)")
+    p.add_argument("--out", help="where to save the JSON (default: the profile cache, found by simulate and the engine)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes (seconds instead of a minute)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median counts)")
+    add_engine_args(p, skip=("cost_model", "step_trace"))
+    p.set_defaults(func=cmd_profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    add_profile_parser(sub)
+    add_simulate_parser(sub)
+    add_plot_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     add_serve_bench_parser(bench)
     return parser

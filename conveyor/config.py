@@ -38,6 +38,12 @@ class EngineConfig:
     max_consecutive_step_failures: int = option(
         3, "failed steps in a row (exceptions in the forward pass, sampling or a swap copy) after which the "
            "engine gives up; a single failure only fails the requests of its step")
+    cost_model: str | None = option(
+        "auto", "a `conveyor profile` JSON whose measured costs the auto preemption mode uses ('auto': the "
+                "profile saved for this model and dtype, if there is one; 'none': the swap_cost_per_block and "
+                "recompute_cost_per_token constants)")
+    step_trace: str | None = option(None, "record every step and write the trace to this JSON file (and a "
+                                          "Chrome/Perfetto trace beside it) at the end of generate() or serve")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -79,14 +85,14 @@ def _flag_type(hint: Any) -> type:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per option of EngineConfig and SchedulerConfig (--max-num-seqs, ...)."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per option of EngineConfig and SchedulerConfig (--max-num-seqs, ...), but those in `skip`."""
     group = parser.add_argument_group("engine")
     for cls in (EngineConfig, SchedulerConfig):
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             meta = f.metadata
-            if not meta or not meta.get("cli"):
+            if not meta or not meta.get("cli") or f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = _flag_type(hints[f.name])

@@ -241,6 +241,11 @@ class AsyncEngine:
                 self._error = e
                 self._accepting = False
             self._fail_all(e)
+        finally:
+            try:
+                self.engine.save_trace()
+            except Exception:   # noqa: BLE001 - a trace that cannot be written must not hide the exit
+                logger.exception("could not write the step trace")
 
     def _wait_for_work(self, stale: bool, stalled: bool, stop: _Stop | None) -> tuple[list, _Stop | None]:
         with self._cv:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from conveyor.engine.trace import StepTracer
 from conveyor.request import Request, RequestMetrics, RequestStatus
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
@@ -69,6 +70,7 @@ class EngineCore:
         self.stats = CoreStats()
         self.dead_reason: str | None = None
         self.last_plan: SchedulerOutput | None = None
+        self.tracer: StepTracer | None = None   # opt-in per-step records (engine/trace.py)
 
     @property
     def dead(self) -> bool:
@@ -99,10 +101,22 @@ class EngineCore:
         if self.dead:
             raise EngineDeadError(self.dead_reason)
         t0 = time.perf_counter()
+        tracer = self.tracer
+        if tracer is not None:
+            start, before = self.clock(), self._preemption_counts()
         try:
-            return self._step()
+            updates = self._step()
         finally:
             self.stats.last_step_time = time.perf_counter() - t0
+        if tracer is not None and self.last_plan is not None and not self.last_plan.is_empty:
+            failed = sum(1 for u in updates if u.error is not None)
+            tracer.record(self.last_plan, start, self.clock() - start, before, self._preemption_counts(),
+                          self.scheduler.stats_dict(), failed)
+        return updates
+
+    def _preemption_counts(self) -> tuple[int, int, int]:
+        s = self.scheduler.stats
+        return s.num_preemptions, s.num_swaps_out, s.num_swaps_in
 
     def _step(self) -> list[SeqUpdate]:
         try:

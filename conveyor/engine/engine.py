@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,17 +22,21 @@ from conveyor.engine.core import EngineCore, EngineDeadError
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stop_strings import compile_stops
+from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.loader import LoadedModel, load_model
+from conveyor.paths import profile_path
 from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.sim.cost import StepCostModel, with_preemption_costs
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
 
 GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):
@@ -65,8 +71,12 @@ class Engine:
                                  num_blocks * config.block_size)
         kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
         runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
-        self.core = EngineCore(Scheduler(config.scheduler, kv), runner, time.monotonic,
-                               config.max_consecutive_step_failures)
+        self.cost_model = load_cost_model(config.cost_model, self.model_name, config.dtype)
+        self.core = EngineCore(Scheduler(with_preemption_costs(config.scheduler, self.cost_model), kv), runner,
+                               time.monotonic, config.max_consecutive_step_failures)
+        if config.step_trace:
+            self.core.tracer = StepTracer(meta={"source": "engine", "model": self.model_name,
+                                                "config": asdict(config)})
         self.output_processor = OutputProcessor(self.tokenizer)
         self._rng = random.Random(config.seed)
         self._next_id = 0
@@ -188,10 +198,36 @@ class Engine:
         self.last_step_time = time.perf_counter() - t0
         return outputs
 
+    def save_trace(self) -> None:
+        """Write the step trace (config.step_trace) and its Chrome version beside it."""
+        tracer, path = self.core.tracer, self.config.step_trace
+        if tracer is None or not path:
+            return
+        tracer.save(path)
+        tracer.save_chrome(chrome_path(path))
+
     def stats(self) -> dict:
         d = self.core.stats_dict()
         d["last_step_time"] = self.last_step_time
         return d
+
+
+def chrome_path(path: str) -> str:
+    """trace.json -> trace.chrome.json."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".chrome" + (p.suffix or ".json")))
+
+
+def load_cost_model(spec: str | None, model_name: str, dtype: str) -> StepCostModel | None:
+    """The profile the auto preemption mode takes its costs from (None: the config's constants)."""
+    if spec in (None, "", "none"):
+        return None
+    path = profile_path(model_name, dtype) if spec == "auto" else Path(spec)
+    if spec == "auto" and not path.is_file():
+        return None
+    model = StepCostModel.load(path)
+    logger.info("preemption costs from the profile %s", path)
+    return model
 
 
 def token_id_list(ids: object) -> list[int]:

@@ -107,6 +107,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+            self.engine.save_trace()
         return [done[i] for i in ids if i in done]
 
     def stats(self) -> dict:

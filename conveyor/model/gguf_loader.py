@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from conveyor.model.config import ModelConfig, UnsupportedModelError
+from conveyor.paths import cache_dir
 
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
@@ -31,11 +32,6 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CONVEYOR_CACHE_DIR", Path.home() / ".cache" / "conveyor"))
-
 
 _CONVERSION_VERSION = 2   # bump when the cached layout changes
 

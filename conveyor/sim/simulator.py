@@ -1,9 +1,9 @@
 """Discrete-event simulation: the real Scheduler and KV manager, a cost-model executor.
 
-The simulation steps through the same ``EngineCore.step()`` as the engine; only the executor
-and the clock differ. The executor "runs" a step in modelled time instead of calling a
-model (step time = ``base + per_token * tokens + per_context * sum(context of decodes) +
-per_seq * seqs``, added to a simulated clock that the scheduler reads for its timestamps),
+The simulation steps through the same ``EngineCore.step()`` as the engine, driven by the same
+harness (harness.py); only the executor and the clock differ. The executor "runs" a step in
+modelled time instead of calling a model: it advances a simulated clock by the cost model's
+step time (cost.py: fitted on this machine by ``conveyor profile``; roofline.py: a named GPU),
 and each request emits EOS after its predetermined output length. Everything else —
 admission, preemption, chunking, prefix caching — is the production code path, so policies
 can be compared on thousands of requests in seconds. No torch here.
@@ -11,19 +11,22 @@ can be compared on thousands of requests in seconds. No torch here.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
 from conveyor.engine.core import EngineCore
+from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
-from conveyor.request import Request
-from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.sim.cost import CostModel, StepCostModel, with_preemption_costs
+from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
+from conveyor.sim.workload import TOKEN_RANGE, SimRequest
 
-EOS = 0
-IDLE_STEP_S = 1e-3   # simulated time that passes when a step computes nothing
+__all__ = ["EOS", "SimClock", "CostModelExecutor", "SimRequest", "SimResult", "simulate", "replay",
+           "StepCostModel", "percentile"]
 
 
 class SimClock:
@@ -36,110 +39,206 @@ class SimClock:
     def advance(self, dt: float) -> None:
         self.now += dt
 
-
-@dataclass(slots=True)
-class CostModel:
-    """Seconds per step; defaults roughly fit SmolLM2-135M fp32 on 2 CPU cores."""
-
-    base: float = 0.010
-    per_token: float = 0.0035
-    per_context: float = 2.0e-6
-    per_seq: float = 0.0002
-
-    def step_time(self, out: SchedulerOutput) -> float:
-        ctx = sum(s.num_computed_tokens for s in out.scheduled if s.num_tokens == 1)
-        return (self.base + self.per_token * out.num_tokens + self.per_context * ctx
-                + self.per_seq * len(out.scheduled))
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
 
 
 class CostModelExecutor:
-    """An Executor that advances the clock by the modelled step time and emits each request's
-    predetermined output: EOS as output token number ``output_lengths[request id]``, else 1."""
+    """An Executor that advances the clock by the modelled time and emits each request's
+    predetermined output (EOS at its oracle length)."""
 
-    def __init__(self, cost: CostModel, clock: SimClock):
-        self.cost = cost
-        self.clock = clock
-        self.output_lengths: dict[str, int] = {}
+    def __init__(self, cost: CostModel, clock: SimClock, oracle: OracleLengths):
+        self.cost, self.clock, self.oracle = cost, clock, oracle
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        pass   # its cost is not modelled yet
+        self.clock.advance(self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in)))
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         self.clock.advance(self.cost.step_time(plan))
-        return ModelOutput([EOS if s.sampling.num_output_tokens + 1 >= self.output_lengths[s.request_id] else 1
-                            for s in plan.scheduled if s.sampling is not None])
+        n = sum(1 for s in plan.scheduled if s.sampling is not None)
+        return ModelOutput(self.oracle.fix(plan, [EOS + 1] * n))
 
 
-@dataclass(slots=True)
-class SimRequest:
-    arrival: float
-    prompt_len: int
-    output_len: int           # true length: EOS is emitted as token number output_len
-    max_tokens: int
-    priority: int = 0
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; NaN for no data."""
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-@dataclass(slots=True)
+@dataclass
 class SimResult:
-    sim_time: float
-    steps: int
-    output_tokens: int
+    records: list[RequestRecord]
     stats: dict
-    ttft: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
+    traces: list[StepTracer] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def finished(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.finish is not None]
+
+    @property
+    def start(self) -> float:
+        return min((r.arrival for r in self.records), default=0.0)
+
+    @property
+    def sim_time(self) -> float:
+        """From the first arrival to the last finish."""
+        return max((r.finish for r in self.finished), default=self.start) - self.start
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.records)
 
     @property
     def throughput(self) -> float:
-        return self.output_tokens / self.sim_time
+        return self.output_tokens / self.sim_time if self.sim_time > 0 else math.nan
 
-    def summary(self) -> dict:
-        return {"sim_time_s": self.sim_time, "steps": self.steps, "output_tok_s": self.throughput,
-                "mean_ttft_s": statistics.mean(self.ttft), "p99_ttft_s": _p99(self.ttft),
-                "mean_e2e_s": statistics.mean(self.e2e), "num_preemptions": self.stats["num_preemptions"],
-                "recomputed_prompt_tokens": self.stats["prompt_tokens_total"] - self.stats["_first_prompt_tokens"],
-                "admission_deferrals": self.stats["admission_deferrals"]}
+    @property
+    def ttft(self) -> list[float]:
+        return [r.ttft for r in self.records if r.ttft is not None]
+
+    @property
+    def tpot(self) -> list[float]:
+        return [r.tpot for r in self.records if r.tpot is not None]
+
+    @property
+    def e2e(self) -> list[float]:
+        return [r.e2e for r in self.records if r.e2e is not None]
+
+    def meets(self, slo: dict[str, float]) -> bool:
+        """Every 'metric_pNN' of the SLO (e.g. ttft_p99: 2.0, tpot_p50: 0.1) at or under its bound."""
+        return all(self.metric(name) <= bound for name, bound in slo.items())
+
+    def metric(self, name: str) -> float:
+        """'ttft_p99', 'tpot_p50', 'e2e_p90', 'ttft_mean', 'throughput', ..."""
+        if name == "throughput":
+            return self.throughput
+        metric, _, stat = name.partition("_")
+        xs = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[metric]
+        if stat == "mean":
+            return statistics.fmean(xs) if xs else math.nan
+        return percentile(xs, float(stat.lstrip("p")))
+
+    def goodput(self, slo: dict[str, float]) -> float:
+        """Requests per second that met every per-request bound of the SLO (ttft and tpot bounds)."""
+        bounds = {m.partition("_")[0]: b for m, b in slo.items()}
+        good = 0
+        for r in self.finished:
+            ttft, tpot = r.ttft, r.tpot
+            if ("ttft" in bounds and ttft > bounds["ttft"]) or ("tpot" in bounds and tpot is not None
+                                                                  and tpot > bounds["tpot"]):
+                continue
+            good += 1
+        return good / self.sim_time if self.sim_time > 0 else math.nan
+
+    def kv_usage(self) -> tuple[float, float]:
+        """Mean (over steps) and peak KV usage, from the step traces."""
+        usage = [r.kv_usage for t in self.traces for r in t.records]
+        return (statistics.fmean(usage), max(usage)) if usage else (math.nan, math.nan)
+
+    def summary(self, slo: dict[str, float] | None = None) -> dict:
+        s = self.stats
+        out = {"requests": len(self.records), "finished": len(self.finished), "sim_time_s": self.sim_time,
+               "steps": self.steps, "output_tok_s": self.throughput,
+               "req_s": len(self.finished) / self.sim_time if self.sim_time > 0 else math.nan}
+        for m in ("ttft", "tpot", "e2e"):
+            out[f"mean_{m}_s"] = self.metric(f"{m}_mean")
+            for p in (50, 90, 99):
+                out[f"p{p}_{m}_s"] = self.metric(f"{m}_p{p}")
+        out.update(num_preemptions=s["num_preemptions"], num_swaps_out=s["num_swaps_out"],
+                   num_recomputes=s["num_recomputes"], admission_deferrals=s["admission_deferrals"],
+                   recomputed_prompt_tokens=s["prompt_tokens_total"] - sum(r.prompt_len for r in self.records)
+                   + s["prefix_cache_hits"] * s["block_size"])
+        if self.traces:
+            out["mean_kv_usage"], out["peak_kv_usage"] = self.kv_usage()
+        if slo:
+            out["goodput_req_s"] = self.goodput(slo)
+            out["slo_met"] = self.meets(slo)
+        return out
 
 
-def _p99(xs: list[float]) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
+def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int,
+                 cost: CostModel, prefix_caching: bool, trace: bool, detail: bool = False) -> Replica:
+    clock, oracle = SimClock(), OracleLengths()
+    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+    core = EngineCore(Scheduler(config, kv), CostModelExecutor(cost, clock, oracle), clock)
+    if trace:
+        core.tracer = StepTracer(detail=detail, meta={"source": "simulator"})
+    return Replica(core, oracle, clock, clock.wait_until)
+
+
+def merge_stats(replicas: list[Replica]) -> dict:
+    """The replicas' stats summed (KV usage and hit rate: averaged)."""
+    dicts = [r.core.stats_dict() for r in replicas]
+    out = dict(dicts[0])
+    for d in dicts[1:]:
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] += v
+    for k in ("kv_usage", "prefix_cache_hit_rate"):
+        out[k] = statistics.fmean(d[k] for d in dicts)
+    q, h = out["prefix_cache_queries"], out["prefix_cache_hits"]
+    out["prefix_cache_hit_rate"] = h / q if q else 0.0
+    return out
 
 
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,
-             num_host_blocks: int = 0, cost: CostModel | None = None, max_steps: int = 10_000_000) -> SimResult:
-    clock = SimClock()
-    executor = CostModelExecutor(cost or CostModel(), clock)
-    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, enable_prefix_caching=False)
-    core = EngineCore(Scheduler(config, kv), executor, clock)
-    pending = sorted(workload, key=lambda r: r.arrival)
-    steps, nxt = 0, 0
-    ttft, e2e = [], []
-    started: set[str] = set()
-    first_prompt_tokens = sum(r.prompt_len for r in workload)
-    while nxt < len(pending) or core.has_unfinished():
-        while nxt < len(pending) and pending[nxt].arrival <= clock.now:
-            r = pending[nxt]
-            params = SamplingParams(temperature=0, max_tokens=r.max_tokens)
-            params.eos_token_ids = (EOS,)
-            req = Request(str(nxt), [1 + (i % 1000) for i in range(r.prompt_len)], params,
-                          priority=r.priority, arrival_time=r.arrival)
-            executor.output_lengths[req.request_id] = r.output_len
-            core.add_request(req)
-            nxt += 1
-        if not core.has_unfinished():
-            clock.now = pending[nxt].arrival
-            continue
-        updates = core.step()
-        steps += 1
-        if steps > max_steps:
-            raise RuntimeError("simulation did not finish")
-        if not core.last_plan.scheduled:   # nothing computed (a swap-only step costs no modelled time yet)
-            clock.advance(IDLE_STEP_S)
-        for u in updates:
-            if u.token_id is not None and u.request_id not in started:
-                started.add(u.request_id)
-                ttft.append(u.metrics.ttft)
-            if u.finish_reason is not None:
-                e2e.append(u.metrics.e2e)
-    stats = core.stats_dict()
-    stats["_first_prompt_tokens"] = first_prompt_tokens
-    return SimResult(clock.now, steps, stats["generation_tokens_total"], stats, ttft, e2e)
+             num_host_blocks: int = 0, cost: CostModel | None = None, *, replicas: int = 1,
+             router: str = "least-loaded", prefix_caching: bool = False, trace: bool = False,
+             seed: int = 0, max_steps: int = 50_000_000) -> SimResult:
+    """Run the workload through `replicas` simulated engines (each with its own KV cache of
+    num_blocks blocks) behind a router; returns per-request records, stats and optional traces."""
+    cost = cost or StepCostModel()
+    config = with_preemption_costs(config, cost)   # as the engine does: the auto mode uses the model's costs
+    reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace)
+            for _ in range(replicas)]
+    records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)
+    steps = sum(r.core.scheduler.step for r in reps)
+    stats = merge_stats(reps)
+    stats["block_size"] = block_size
+    return SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps)
+
+
+class ReplayClock:
+    """The clock reads a real run made, returned in the same order (see replay())."""
+
+    def __init__(self, reads: list[float]):
+        self.reads, self.i, self.last = reads, 0, reads[0] if reads else 0.0
+
+    def __call__(self) -> float:
+        if self.i >= len(self.reads):
+            raise RuntimeError("the replay asked the clock more often than the recorded run: the runs diverged")
+        self.last = self.reads[self.i]
+        self.i += 1
+        return self.last
+
+
+def replay(timeline: list[float], workload: list[SimRequest], config: SchedulerConfig, num_blocks: int,
+           block_size: int = 16, num_host_blocks: int = 0, prefix_caching: bool = True, seed: int = 0,
+           token_range: tuple[int, int] = TOKEN_RANGE) -> tuple[list[RequestRecord], StepTracer]:
+    """Re-run a recorded engine run in the simulator with its measured timing: the driver reads
+    the clock values the real run read, in order, so every arrival joins at the same step; if the
+    scheduler is the same, the schedules are identical step by step (the traces say)."""
+    clock = ReplayClock(timeline)
+    oracle = OracleLengths()
+    kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+    core_clock = lambda: clock.last   # noqa: E731 - timestamps follow the replayed time
+    core = EngineCore(Scheduler(config, kv), CostModelExecutor(_Free(), SimClock(), oracle), core_clock)
+    core.tracer = StepTracer(detail=True, meta={"source": "replay"})
+    records = drive([Replica(core, oracle, clock, lambda t: None)], workload, seed=seed, token_range=token_range)
+    return records, core.tracer
+
+
+class _Free:
+    """A cost model whose steps take no time (the replayed clock carries the real times)."""
+
+    def step_time(self, plan: SchedulerOutput) -> float:
+        return 0.0
+
+    def swap_time(self, num_blocks: int) -> float:
+        return 0.0

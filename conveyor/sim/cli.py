@@ -1,0 +1,326 @@
+"""`conveyor simulate`: the real scheduler on a cost model — throughput, latency, goodput,
+preemptions and KV usage for a workload and a set of engine knobs; sweeps; capacity planning.
+
+    conveyor simulate --rate 2 --num-requests 500 --prompt-len 32:512 --output-len lognormal:100:1:1024
+    conveyor simulate --sweep max_num_seqs=16,32,64 --slo ttft_p99=2s,tpot_p50=100ms
+    conveyor simulate --find-max-rate --slo ttft_p99=2s,tpot_p50=100ms
+    conveyor simulate --gpu h200 --model llama-3.1-8b --rate 50 --find-replicas --slo ttft_p99=2s,tpot_p50=50ms
+
+No torch here: the cost model is a profile measured by `conveyor profile` (default: the one saved
+for the demo model, else built-in numbers) or a roofline model of a named GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from conveyor.config import EngineConfig, add_engine_args, config_from_args, option_names
+from conveyor.paths import profile_path
+from conveyor.sim.cost import CostModel, StepCostModel
+from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
+from conveyor.sim.simulator import SimResult, simulate
+from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities
+
+DEMO = "SmolLM2-135M-Instruct"
+_WARNED: set[Path] = set()
+UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft_p99=2s,tpot_p50=100ms' -> {'ttft_p99': 2.0, 'tpot_p50': 0.1}."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        metric, _, stat = name.partition("_")
+        if metric not in ("ttft", "tpot", "e2e") or not (stat == "mean" or stat.lstrip("p").replace(".", "").isdigit()):
+            raise ValueError(f"bad SLO term {item!r}: use ttft|tpot|e2e _pNN|_mean = value[ms|s]")
+        unit = next((u for u in ("ms", "us", "s") if value.endswith(u)), "s")
+        out[name] = float(value[: len(value) - len(unit)] if value.endswith(unit) else value) * UNITS[unit]
+    if not out:
+        raise ValueError("empty SLO")
+    return out
+
+
+# ---- what to simulate ----------------------------------------------------------------------------
+
+class Setup:
+    """A cost model, a KV cache size and the engine's knobs, from the command line."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.config: EngineConfig = config_from_args(args)
+        self.tp = args.tensor_parallel
+        self.cost, self.describe = self._cost_model()
+
+    def _cost_model(self) -> tuple[CostModel, str]:
+        a = self.args
+        if a.gpu:
+            eff = dict(compute=0.5, bandwidth=0.8, overhead_ms=0.5)
+            for item in filter(None, (a.efficiency or "").split(",")):
+                k, _, v = item.partition("=")
+                if k not in eff:
+                    raise ValueError(f"bad --efficiency term {item!r}: compute, bandwidth or overhead_ms")
+                eff[k] = float(v)
+            shape = model_shape(a.model or "smollm2-135m")
+            cost = RooflineCostModel(GPUS[a.gpu], shape, tp=self.tp, compute_efficiency=eff["compute"],
+                                     bandwidth_efficiency=eff["bandwidth"], step_overhead=eff["overhead_ms"] * 1e-3,
+                                     block_size=self.config.block_size)
+            return cost, (f"roofline model of {self.tp} x {cost.gpu.name} for {shape.name} "
+                          f"(efficiency: compute {eff['compute']}, bandwidth {eff['bandwidth']}, "
+                          f"{eff['overhead_ms']} ms per step)")
+        spec = a.cost_model
+        if spec == "auto":
+            path = profile_path(a.model or DEMO, self.config.dtype)
+            if not path.is_file():
+                if path not in _WARNED:
+                    _WARNED.add(path)
+                    print(f"note: no profile at {path} (run `conveyor profile`); using built-in CPU numbers",
+                          file=sys.stderr)
+                return StepCostModel(), "built-in CPU cost model (SmolLM2-135M fp32, 2 cores)"
+            spec = str(path)
+        cost = StepCostModel.load(spec)
+        m = cost.meta
+        return cost, f"profile {spec} ({m.get('model')}, {m.get('machine', {}).get('cpu')}, {m.get('date')})"
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks) per replica."""
+        c = self.config
+        if isinstance(self.cost, RooflineCostModel):
+            blocks = c.num_kv_blocks or self.cost.num_kv_blocks()
+            host = int(c.swap_space_gib * (1 << 30) // (c.block_size * self.cost.model.kv_bytes_per_token(2, self.tp)))
+            return blocks, host
+        per_token = self.cost.kv_bytes_per_token or 46080   # the demo model in fp32
+        block_bytes = c.block_size * per_token
+        return (c.num_kv_blocks or max(1, int(c.kv_cache_gib * (1 << 30) // block_bytes)),
+                int(c.swap_space_gib * (1 << 30) // block_bytes))
+
+    def run(self, workload, replicas: int | None = None, trace: bool = False) -> SimResult:
+        blocks, host = self.kv_blocks()
+        c = self.config
+        return simulate(workload, c.scheduler, blocks, c.block_size, host, self.cost,
+                        replicas=replicas or self.args.replicas, router=self.args.router,
+                        prefix_caching=c.enable_prefix_caching, trace=trace, seed=self.args.seed)
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(args.num_requests, args.rate, args.arrival, args.prompt_len, args.output_len,
+                        args.max_tokens, args.prefix_groups, args.prefix_len, args.prefix_share,
+                        parse_priorities(args.priorities or ""), args.seed)
+
+
+def make_workload(args: argparse.Namespace, spec: WorkloadSpec):
+    if args.trace:
+        return load_trace(args.trace)
+    return spec.generate()
+
+
+# ---- searches -----------------------------------------------------------------------------------
+
+def find_max_rate(run: Callable[[float], SimResult], slo: dict[str, float], start: float = 1.0,
+                  rel_tol: float = 0.02) -> tuple[float, SimResult | None]:
+    """The highest request rate whose run meets the SLO (bracketing by doubling, then bisection)."""
+    good: tuple[float, SimResult] | None = None
+    bad = None
+    rate = start
+    for _ in range(40):
+        res = run(rate)
+        if res.meets(slo):
+            good = (rate, res)
+            if bad is not None:
+                break
+            rate *= 2
+        else:
+            bad = rate
+            if good is not None:
+                break
+            rate /= 2
+            if rate < 1e-4:
+                return 0.0, None
+    lo, hi = good[0], bad
+    best = good
+    while hi is not None and (hi - lo) / hi > rel_tol:
+        mid = (lo + hi) / 2
+        res = run(mid)
+        if res.meets(slo):
+            lo, best = mid, (mid, res)
+        else:
+            hi = mid
+    return best
+
+
+def find_replicas(run: Callable[[int], SimResult], slo: dict[str, float], limit: int = 4096) -> tuple[int, SimResult]:
+    """The fewest replicas that meet the SLO (doubling, then bisection)."""
+    n, results = 1, {}
+    while True:
+        results[n] = run(n)
+        if results[n].meets(slo):
+            break
+        if n >= limit:
+            raise ValueError(f"even {limit} replicas do not meet the SLO")
+        n *= 2
+    lo, hi = n // 2, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        results[mid] = run(mid)
+        if results[mid].meets(slo):
+            hi = mid
+        else:
+            lo = mid
+    return hi, results[hi]
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+COLUMNS = (("output tok/s", "output_tok_s", 1, "{:.1f}"), ("req/s", "req_s", 1, "{:.2f}"),
+           ("TTFT p50", "p50_ttft_s", 1e3, "{:.0f} ms"), ("TTFT p99", "p99_ttft_s", 1e3, "{:.0f} ms"),
+           ("TPOT p50", "p50_tpot_s", 1e3, "{:.1f} ms"), ("TPOT p99", "p99_tpot_s", 1e3, "{:.1f} ms"),
+           ("E2E p50", "p50_e2e_s", 1, "{:.2f} s"), ("preempt", "num_preemptions", 1, "{:.0f}"),
+           ("KV mean/peak", None, 1, ""), ("goodput", "goodput_req_s", 1, "{:.2f}"))
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    head = ["run"] + [c[0] for c in COLUMNS if c[0] != "goodput" or "goodput_req_s" in rows[0][1]]
+    lines = [head]
+    for label, s in rows:
+        cells = [label]
+        for name, key, scale, fmt in COLUMNS:
+            if name == "goodput" and "goodput_req_s" not in s:
+                continue
+            if key is None:
+                cells.append(f"{100 * s['mean_kv_usage']:.0f}% / {100 * s['peak_kv_usage']:.0f}%"
+                             if "mean_kv_usage" in s else "-")
+            else:
+                v = s.get(key, math.nan)
+                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v * scale))
+        lines.append(cells)
+    widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines)
+
+
+def _with_knob(args: argparse.Namespace, name: str, value: str) -> argparse.Namespace:
+    a = argparse.Namespace(**vars(args))
+    current = getattr(a, name)
+    kind = type(current) if current is not None else (float if "." in value else int)
+    if kind is bool:
+        setattr(a, name, value.lower() in ("1", "true", "yes", "on"))
+    else:
+        setattr(a, name, kind(value) if value not in ("inf", "none") or kind is float else None)
+    return a
+
+
+SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arrival", "prompt_len", "output_len")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    slo = parse_slo(args.slo) if args.slo else None
+    sweep_name, sweep_values = None, [None]
+    if args.sweep:
+        sweep_name, _, values = args.sweep.partition("=")
+        sweep_name = sweep_name.replace("-", "_")
+        engine_names, sched_names = option_names()
+        if sweep_name not in engine_names + sched_names + list(SWEEPABLE_EXTRA) or not values:
+            raise ValueError(f"--sweep NAME=V1,V2,...: NAME is an engine option or one of {', '.join(SWEEPABLE_EXTRA)}")
+        sweep_values = values.split(",")
+    rows, report = [], {"runs": []}
+    for value in sweep_values:
+        a = _with_knob(args, sweep_name, value) if sweep_name else args
+        setup = Setup(a)
+        spec = workload_spec(a)
+        label = f"{sweep_name}={value}" if sweep_name else "run"
+        t0 = time.perf_counter()
+        if args.find_max_rate:
+            if not slo:
+                raise ValueError("--find-max-rate needs --slo")
+            rate, res = find_max_rate(lambda r: setup.run(make_workload(a, replace(spec, rate=r))), slo,
+                                      start=a.rate if math.isfinite(a.rate) else 1.0)
+            if res is None:
+                print(f"{label}: no rate meets the SLO", file=sys.stderr)
+                continue
+            label += f" max rate {rate:.3g}/s"
+            entry = {"max_rate": rate}
+        elif args.find_replicas:
+            if not slo or not math.isfinite(a.rate):
+                raise ValueError("--find-replicas needs --slo and a finite --rate")
+            n, res = find_replicas(lambda k: setup.run(make_workload(a, spec), replicas=k), slo)
+            gpus = n * setup.tp if a.gpu else None
+            label += f" {n} replica(s)" + (f" = {gpus} GPU(s)" if gpus else "")
+            entry = {"replicas": n, "gpus": gpus}
+        else:
+            res = setup.run(make_workload(a, spec), trace=True)
+            entry = {}
+        summary = res.summary(slo)
+        rows.append((label, summary))
+        report["runs"].append({"label": label, sweep_name or "run": value, **entry, "summary": summary,
+                               "wall_s": time.perf_counter() - t0})
+        if args.step_trace and res.traces:
+            res.traces[0].meta.update(source="simulator", cost_model=setup.describe)
+            res.traces[0].save(args.step_trace)
+            res.traces[0].save_chrome(Path(args.step_trace).with_suffix(".chrome.json"))
+    if not rows:
+        return 1
+    blocks, host = setup.kv_blocks()
+    print(f"cost model: {setup.describe}; KV cache: {blocks} blocks of {setup.config.block_size} tokens "
+          f"per replica" + ("" if sweep_name else f", {args.replicas} replica(s)"))
+    print(table(rows))
+    report.update(cost_model=setup.describe, kv_blocks=blocks, slo=slo, argv=sys.argv[1:])
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("simulate", help="simulate the scheduler on a cost model: throughput, latency, "
+                                               "capacity", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = p.add_argument_group("cost model")
+    c.add_argument("--cost-model", default="auto",
+                   help="a `conveyor profile` JSON ('auto': the profile saved for --model, else built-in numbers)")
+    c.add_argument("--gpu", choices=sorted(GPUS), help="a roofline model of this GPU instead of a profile")
+    c.add_argument("--model", help=f"model name (for its saved profile) or, with --gpu, a preset "
+                                   f"({', '.join(MODEL_PRESETS)}) or an HF config.json")
+    c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
+    c.add_argument("--efficiency", help="with --gpu: compute=0.5,bandwidth=0.8,overhead_ms=0.5")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="a JSONL request trace (arrival, prompt_len, output_len[, max_tokens, priority, "
+                                   "prefix_group, prefix_len]) instead of the distributions below")
+    w.add_argument("--num-requests", type=int, default=500)
+    w.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    w.add_argument("--arrival", default="poisson", help="poisson, gamma:CV or constant")
+    w.add_argument("--prompt-len", default="32:256", help="LO:HI, N, lognormal:MEDIAN:SIGMA[:MAX] or exp:MEAN[:MAX]")
+    w.add_argument("--output-len", default="16:256", help="the true output lengths (same forms)")
+    w.add_argument("--max-tokens", help="the clients' max_tokens (same forms; default: each request's output length)")
+    w.add_argument("--prefix-groups", type=int, default=0, help="groups of requests that share a prompt prefix")
+    w.add_argument("--prefix-len", type=int, default=0, help="tokens of the shared prefix")
+    w.add_argument("--prefix-share", type=float, default=1.0, help="fraction of requests in a group")
+    w.add_argument("--priorities", help="priority:weight,... e.g. 0:0.9,1:0.1")
+    w.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("runs")
+    r.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    r.add_argument("--router", default="least-loaded", choices=("least-loaded", "round-robin"))
+    r.add_argument("--slo", help="e.g. ttft_p99=2s,tpot_p50=100ms (goodput counts requests within the bounds)")
+    r.add_argument("--sweep", help="NAME=V1,V2,...: one run per value of an engine option, or of rate, "
+                                   "num_requests, replicas, tensor_parallel, arrival, prompt_len, output_len")
+    r.add_argument("--find-max-rate", action="store_true", help="the highest request rate that meets --slo")
+    r.add_argument("--find-replicas", action="store_true", help="the fewest replicas that meet --slo at --rate")
+    r.add_argument("--step-trace", help="write the (last) run's step trace here (JSON, + .chrome.json)")
+    r.add_argument("--out", help="write the results as JSON")
+    add_engine_args(p, skip=("cost_model", "step_trace", "device", "torch_threads", "max_consecutive_step_failures",
+                             "seed"))
+    p.set_defaults(func=cmd_simulate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *(argv or [])])
+    return args.func(args)
+
+
+__all__ = ["add_parser", "cmd_simulate", "find_max_rate", "find_replicas", "parse_slo", "table"]

@@ -1,0 +1,194 @@
+"""One driver for a workload over engine cores: the simulator's and the real engine's.
+
+``drive()`` feeds timed arrivals to one or more ``EngineCore`` replicas and steps them until all
+requests have finished. The same code runs the simulator (each replica with its own simulated
+clock, a cost-model executor) and a real engine (the wall clock, the ModelRunner), so the two
+differ only in their executor and clock — which is what makes a simulation checkable against
+the engine. Requests get their true output length from an oracle (``OracleLengths``): the
+executor emits EOS exactly there, whatever the model would have sampled. No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conveyor.engine.core import EngineCore
+from conveyor.engine.trace import StepTracer
+from conveyor.request import Request
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.output import ModelOutput, SchedulerOutput
+from conveyor.sim.workload import TOKEN_RANGE, SimRequest
+
+EOS = 0
+IDLE_STEP_S = 1e-3   # time to wait when a step computes nothing
+
+
+class OracleLengths:
+    """Makes every request end after its true output length: EOS there and only there."""
+
+    def __init__(self) -> None:
+        self.lengths: dict[str, int] = {}
+
+    def fix(self, plan: SchedulerOutput, tokens: list[int]) -> list[int]:
+        sampled = (s for s in plan.scheduled if s.sampling is not None)
+        out = []
+        for s, token in zip(sampled, tokens):
+            last = s.sampling.num_output_tokens + 1 >= self.lengths[s.request_id]
+            out.append(EOS if last else (token if token != EOS else EOS + 1))
+        return out
+
+
+class OracleExecutor:
+    """Wraps an executor (the ModelRunner) so that requests end at their oracle length."""
+
+    def __init__(self, inner, oracle: OracleLengths):
+        self.inner, self.oracle = inner, oracle
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        self.inner.swap(swap_out, swap_in)
+
+    def execute(self, plan: SchedulerOutput) -> ModelOutput:
+        out = self.inner.execute(plan)
+        return ModelOutput(self.oracle.fix(plan, out.token_ids), out.logprobs)
+
+
+@dataclass
+class Replica:
+    core: EngineCore
+    oracle: OracleLengths
+    clock: Callable[[], float]              # the driver's view of this replica's time
+    wait_until: Callable[[float], None]     # idle until then (advance a simulated clock, or sleep)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    replica: int = 0
+    first_token: float | None = None
+    finish: float | None = None
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish is None or self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.num_output_tokens - 1)
+
+
+def make_request(index: int, spec: SimRequest, arrival: float, seed: int = 0,
+                 token_range: tuple[int, int] = TOKEN_RANGE) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=spec.cap)
+    params.eos_token_ids = (EOS,)
+    return Request(str(index), spec.prompt_token_ids(index, seed, token_range), params, priority=spec.priority,
+                   arrival_time=arrival)
+
+
+def least_loaded(replicas: list[Replica], index: int) -> int:
+    return min(range(len(replicas)), key=lambda i: (len(replicas[i].core.scheduler.requests), i))
+
+
+def round_robin(replicas: list[Replica], index: int) -> int:
+    return index % len(replicas)
+
+
+ROUTERS = {"least-loaded": least_loaded, "round-robin": round_robin}
+
+
+def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str = "least-loaded", seed: int = 0,
+          timeline: list[float] | None = None, max_steps: int = 50_000_000,
+          token_range: tuple[int, int] = TOKEN_RANGE) -> list[RequestRecord]:
+    """Run the workload to completion; returns one record per request (in workload order).
+
+    Each loop reads every replica's clock once, then either steps the busy replica that is
+    furthest behind, if it is behind the next arrival, or hands the next arrival to the router's
+    replica (an idle replica first waits for it). With one replica this is: add every request
+    that has arrived, then step. `timeline` receives the clock reads of replica 0 (one replica:
+    enough to replay the run's exact timing, see conveyor/sim/replay.py).
+    """
+    choose = ROUTERS[router]
+    t0 = replicas[0].clock()
+    if timeline is not None:
+        timeline.append(t0)
+    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
+    pending = deque(order)
+    records = [RequestRecord(i, t0 + w.arrival, w.prompt_len, w.output_len) for i, w in enumerate(workload)]
+    steps = 0
+    while pending or any(r.core.has_unfinished() for r in replicas):
+        nows = [r.clock() for r in replicas]
+        if timeline is not None:
+            timeline.append(nows[0])
+        busy = [i for i, r in enumerate(replicas) if r.core.has_unfinished()]
+        nxt = records[pending[0]].arrival if pending else math.inf
+        behind = min(busy, key=lambda i: nows[i], default=None)
+        if behind is not None and nows[behind] < nxt:
+            _step(replicas[behind], nows[behind], records)
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"the run did not finish in {max_steps} steps")
+            continue
+        index = pending[0]
+        target = choose(replicas, index)
+        replica = replicas[target]
+        if not replica.core.has_unfinished() and nows[target] < nxt:
+            replica.wait_until(nxt)
+            if len(replicas) == 1:
+                continue   # read the clock again before adding
+        pending.popleft()
+        spec = workload[index]
+        records[index].replica = target
+        replica.oracle.lengths[str(index)] = spec.output_len
+        replica.core.add_request(make_request(index, spec, records[index].arrival, seed, token_range))
+    return records
+
+
+def _step(replica: Replica, now: float, records: list[RequestRecord]) -> None:
+    updates = replica.core.step()
+    plan = replica.core.last_plan
+    if plan is None or not plan.scheduled:
+        replica.wait_until(now + IDLE_STEP_S)
+    for u in updates:
+        rec = records[int(u.request_id)]
+        if u.token_id is not None:
+            rec.num_output_tokens += 1
+            if rec.first_token is None:
+                rec.first_token = u.metrics.first_token_time
+        if u.finish_reason is not None:
+            rec.finish, rec.finish_reason = u.metrics.finished_time, u.finish_reason
+            rec.num_preemptions = u.metrics.num_preemptions
+
+
+def run_on_engine(engine, workload: list[SimRequest], *, seed: int = 0, detail: bool = False,
+                  timeline: list[float] | None = None) -> tuple[list[RequestRecord], StepTracer]:
+    """The workload on a real engine (`conveyor.engine.engine.Engine`), in real time: its core and
+    ModelRunner behind the same driver as the simulator, each request ending at its oracle length.
+    Returns the records and the run's step trace (the engine's own tracer is put back after)."""
+    core = engine.core
+    oracle = OracleLengths()
+    executor, tracer = core.executor, core.tracer
+    core.executor = OracleExecutor(executor, oracle)
+    core.tracer = StepTracer(detail=detail, meta={"source": "engine", "model": engine.model_name})
+    replica = Replica(core, oracle, time.monotonic, lambda t: time.sleep(max(0.0, t - time.monotonic())))
+    vocab = engine.model_config.vocab_size
+    try:
+        records = drive([replica], workload, seed=seed, timeline=timeline,
+                        token_range=(min(TOKEN_RANGE[0], vocab // 2), min(TOKEN_RANGE[1], vocab - 1)))
+        return records, core.tracer
+    finally:
+        core.executor, core.tracer = executor, tracer

@@ -1,0 +1,71 @@
+"""The simulator against the real engine (tiny model): a recorded run replayed with its measured timing
+gives the same schedule step by step; the profiler fits the runner; step traces from the engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.engine.trace import StepTracer
+from conveyor.profile import profile
+from conveyor.sim.cost import StepCostModel
+from conveyor.sim.harness import TOKEN_RANGE, run_on_engine
+from conveyor.sim.simulator import replay
+from conveyor.sim.workload import WorkloadSpec
+
+OPTIONS = dict(num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, preemption_mode="auto",
+               admission_policy="optimistic", swap_space_gib=0.001, min_resident_steps=1, cost_model="none")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_replayed_engine_run_schedules_identically(make_engine, seed):
+    engine = make_engine(**OPTIONS)
+    wl = WorkloadSpec(num_requests=30, rate=300, prompt_len="3:30", output_len="2:20", prefix_groups=2,
+                      prefix_len=8, prefix_share=0.5, priorities={0: 0.8, 1: 0.2}, seed=seed).generate()
+    timeline: list[float] = []
+    real, trace = run_on_engine(engine, wl, seed=seed, detail=True, timeline=timeline)
+    s = engine.stats()
+    assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0 and s["num_finished"] == 30
+    vocab = engine.model_config.vocab_size
+    sim, sim_trace = replay(timeline, wl, engine.config.scheduler, engine.kv.num_blocks, engine.config.block_size,
+                            engine.kv.num_host_blocks, True, seed=seed,
+                            token_range=(min(TOKEN_RANGE[0], vocab // 2), min(TOKEN_RANGE[1], vocab - 1)))
+    assert len(sim_trace.records) == len(trace.records) > 30
+    for a, b in zip(trace.records, sim_trace.records):
+        assert (a.step, a.seqs, a.preempted, a.swapped_out, a.swapped_in) == \
+            (b.step, b.seqs, b.preempted, b.swapped_out, b.swapped_in), f"step {a.step}"
+    assert [r.num_output_tokens for r in real] == [r.num_output_tokens for r in sim] == [w.output_len for w in wl]
+
+
+def test_profile_fits_the_runner_and_drives_auto_preemption(make_engine, tmp_path):
+    engine = make_engine(max_num_seqs=8)
+    model = profile(engine, quick=True, repeats=1, progress=False)
+    fit = model.meta["fit"]
+    assert fit["samples"] >= 8 and fit["mean_abs_rel_error"] < 0.5
+    assert all(c > 0 for c in model.knot_costs) and model.swap_block > 0 and model.kv_bytes_per_token > 0
+    path = tmp_path / "profile.json"
+    model.save(path)
+    loaded = StepCostModel.load(path)
+    assert loaded.knots == model.knots and loaded.token_cost(3) == pytest.approx(model.token_cost(3))
+    sched = make_engine(cost_model=str(path)).scheduler.config
+    assert sched.swap_cost_per_block == pytest.approx(model.swap_block)
+    assert sched.recompute_cost_per_token == pytest.approx(model.recompute_time_per_token())
+    default = make_engine(cost_model="none").scheduler.config
+    assert (default.swap_cost_per_block, default.recompute_cost_per_token) == (2e-4, 1e-3)
+    with pytest.raises(ValueError, match="not a step cost model"):
+        (tmp_path / "bad.json").write_text('{"kind": "other"}')
+        make_engine(cost_model=str(tmp_path / "bad.json"))
+
+
+def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
+    path = tmp_path / "steps.json"
+    llm = LLM(engine=make_engine(step_trace=str(path)))
+    llm.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    trace = StepTracer.load(path)
+    assert trace.meta["source"] == "engine" and len(trace.records) == llm.stats()["steps"]
+    assert sum(r.decode_tokens for r in trace.records) + sum(r.prefill_tokens for r in trace.records) == 43 + 2 * 4
+    assert trace.records[-1].kv_usage == 0.0 and all(r.dt > 0 for r in trace.records)
+    events = json.loads((tmp_path / "steps.chrome.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == len(trace.records)

@@ -1,0 +1,125 @@
+"""Workload generation and traces; the `conveyor simulate` and `conveyor plot` commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from conveyor.cli import main
+from conveyor.engine.trace import StepTracer
+from conveyor.sim.cli import find_max_rate, parse_slo
+from conveyor.sim.workload import LengthDist, SimRequest, WorkloadSpec, arrival_times, load_trace, save_trace
+
+
+def test_length_distributions():
+    rng = random.Random(0)
+    assert {LengthDist.parse("5").sample(rng) for _ in range(10)} == {5}
+    xs = [LengthDist.parse("10:20").sample(rng) for _ in range(2000)]
+    assert min(xs) == 10 and max(xs) == 20
+    logn = [LengthDist.parse("lognormal:100:0.5:400").sample(rng) for _ in range(4000)]
+    assert 90 < statistics.median(logn) < 110 and max(logn) == 400
+    assert 45 < statistics.mean(LengthDist.parse("exp:50").sample(rng) for _ in range(4000)) < 55
+    for bad in ("0:5", "20:10", "lognormal:5", "zipf:3", "x"):
+        with pytest.raises(ValueError):
+            LengthDist.parse(bad)
+
+
+def test_arrival_processes():
+    rng = random.Random(1)
+    poisson = arrival_times(5000, 10.0, "poisson", rng)
+    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.05)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(1.0, rel=0.1)
+    bursty = arrival_times(5000, 10.0, "gamma:3", rng)
+    g = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert statistics.mean(g) == pytest.approx(0.1, rel=0.1) and statistics.stdev(g) / statistics.mean(g) > 2.5
+    assert arrival_times(3, 4.0, "constant", rng) == [0.0, 0.25, 0.5]
+    assert arrival_times(3, math.inf, "poisson", rng) == [0.0, 0.0, 0.0]
+
+
+def test_workload_spec_prefix_groups_priorities_and_rate_independence():
+    spec = WorkloadSpec(num_requests=400, rate=5, prompt_len="40:80", output_len="10", max_tokens="200",
+                        prefix_groups=2, prefix_len=32, prefix_share=0.5, priorities={0: 3, 5: 1}, seed=3)
+    wl = spec.generate()
+    grouped = [r for r in wl if r.prefix_group is not None]
+    assert 150 < len(grouped) < 250 and all(r.prefix_len == 32 for r in grouped)
+    a, b = [r for r in grouped if r.prefix_group == 0][:2]
+    ta, tb = a.prompt_token_ids(wl.index(a)), b.prompt_token_ids(wl.index(b))
+    assert ta[:32] == tb[:32] and ta[32:] != tb[32:]
+    assert {r.priority for r in wl} == {0, 5} and all(r.max_tokens == 200 and r.output_len == 10 for r in wl)
+    slower = dataclasses.replace(spec, rate=1).generate()   # the same lengths, groups and priorities
+    assert [(r.prompt_len, r.priority, r.prefix_group) for r in slower] == \
+        [(r.prompt_len, r.priority, r.prefix_group) for r in wl]
+    assert slower[-1].arrival > 3 * wl[-1].arrival
+
+
+def test_trace_round_trip(tmp_path):
+    wl = WorkloadSpec(num_requests=20, rate=3, prefix_groups=2, prefix_len=8, seed=1).generate()
+    save_trace(wl, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == wl
+    (tmp_path / "bad.jsonl").write_text('{"arrival": 1, "prompt_len": 5}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_trace(tmp_path / "bad.jsonl")
+    (tmp_path / "late.jsonl").write_text('{"arrival": 10, "prompt_len": 5, "output_len": 2}\n'
+                                         '{"arrival": 12.5, "prompt_len": 5, "output_len": 2}\n')
+    assert [r.arrival for r in load_trace(tmp_path / "late.jsonl")] == [0.0, 2.5]
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_p99=2s,tpot_p50=100ms, e2e_mean=3") == {"ttft_p99": 2.0, "tpot_p50": 0.1, "e2e_mean": 3.0}
+    for bad in ("ttft=2", "latency_p50=1", ""):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_find_max_rate_brackets_the_threshold():
+    class Fake:   # meets the SLO below 3.7 req/s
+        def __init__(self, rate):
+            self.rate = rate
+
+        def meets(self, slo):
+            return self.rate <= 3.7
+
+    rate, res = find_max_rate(Fake, {"ttft_p99": 1.0})
+    assert 3.6 < rate <= 3.7 and res.meets({})
+
+
+def run_cli(*argv, capsys) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_simulate_command_sweep_trace_and_plot(tmp_path, capsys):
+    out = run_cli("simulate", "--num-requests", "80", "--rate", "3", "--sweep", "max_num_seqs=4,16", "--slo", "ttft_p99=5s",
+                  "--step-trace", str(tmp_path / "trace.json"), "--out", str(tmp_path / "r.json"), capsys=capsys)
+    assert "max_num_seqs=4" in out and "max_num_seqs=16" in out and "goodput" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    runs = report["runs"]
+    assert [r["max_num_seqs"] for r in runs] == ["4", "16"]
+    assert runs[0]["summary"]["p99_ttft_s"] > runs[1]["summary"]["p99_ttft_s"]
+    trace = StepTracer.load(tmp_path / "trace.json")
+    assert trace.records and max(r.running for r in trace.records) <= 16
+    assert json.loads((tmp_path / "trace.chrome.json").read_text())["traceEvents"]
+    png = tmp_path / "t.png"
+    run_cli("plot", str(tmp_path / "trace.json"), str(tmp_path / "trace.json"), "--labels", "a,b", "-o", str(png),
+            capsys=capsys)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_capacity_planning_on_a_gpu(tmp_path, capsys):
+    out = run_cli("simulate", "--gpu", "h200", "--model", "llama-3.1-8b", "--num-requests", "300",
+                  "--rate", "40", "--prompt-len", "256:1024", "--output-len", "64:256", "--find-replicas",
+                  "--slo", "ttft_p99=1s,tpot_p50=40ms", "--out", str(tmp_path / "r.json"), capsys=capsys)
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert run["replicas"] >= 1 and run["gpus"] == run["replicas"] and "H200" in out
+    assert run["summary"]["slo_met"]
+    out = run_cli("simulate", "--gpu", "h200", "--model", "llama-3.1-8b", "--num-requests", "300",
+                  "--prompt-len", "256:1024", "--output-len", "64:256", "--find-max-rate",
+                  "--slo", "ttft_p99=1s,tpot_p50=40ms", "--out", str(tmp_path / "m.json"), capsys=capsys)
+    (run,) = json.loads((tmp_path / "m.json").read_text())["runs"]
+    assert run["max_rate"] > 1 and "max rate" in out
