@@ -34,7 +34,7 @@ def worker() -> dict:
     from conveyor import LLM, SamplingParams
 
     torch.set_num_threads(int(os.environ.get("STEP_BENCH_THREADS", "2")))
-    llm = LLM(max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32")
     engine = llm.engine
     model = engine.loaded.model
     in_forward = [0.0]

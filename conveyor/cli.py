@@ -62,7 +62,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
     model = profile(engine, quick=args.quick, repeats=args.repeats)
-    out = Path(args.out) if args.out else profile_path(engine.model_name, engine.config.dtype)
+    out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype)
     model.save(out)
     fit = model.meta["fit"]
     print(f"{fit['samples']} step shapes fitted within {100 * fit['mean_abs_rel_error']:.1f}% on average "

@@ -229,9 +229,9 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, progress: 
     model = StepCostModel(executor_only.knots, [c + fixed for c in executor_only.knot_costs],
                           executor_only.decode_context, executor_only.prefill_attention, executor_only.sampled,
                           per_seq, swap_block=statistics.median(swap_per_block),
-                          kv_bytes_per_token=engine.model_config.kv_bytes_per_token(getattr(torch, cfg.dtype).itemsize))
+                          kv_bytes_per_token=engine.model_config.kv_bytes_per_token(getattr(torch, engine.dtype).itemsize))
     model.meta = {
-        "machine": machine(), "model": engine.model_name, "dtype": cfg.dtype, "block_size": cfg.block_size,
+        "machine": machine(), "model": engine.model_name, "dtype": engine.dtype, "block_size": cfg.block_size,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "fit": quality,
         "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large},
         "samples": [{"kind": s.kind, "measured_s": s.seconds, "fitted_s": executor_only.shape_time(s.shape),

@@ -24,6 +24,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stop_strings import compile_stops
 from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
+from conveyor.model.dtype import resolve_dtype
 from conveyor.model.loader import LoadedModel, load_model
 from conveyor.paths import profile_path
 from conveyor.request import Request
@@ -57,7 +58,13 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        dtype = getattr(torch, config.dtype)
+        if loaded is not None:   # a model already in memory runs in its own dtype
+            dtype = loaded.model.embed_tokens.weight.dtype
+        else:
+            dtype = getattr(torch, resolve_dtype(config.dtype, config.device))
+            if dtype == torch.float16 and torch.device(config.device).type == "cpu":
+                raise ValueError("dtype float16 runs on CUDA only; on a CPU use bfloat16 or float32 (or auto)")
+        self.dtype = str(dtype).removeprefix("torch.")
         self.loaded = loaded or load_model(config.model, config.device, dtype)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -71,7 +78,7 @@ class Engine:
                                  num_blocks * config.block_size)
         kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
         runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
-        self.cost_model = load_cost_model(config.cost_model, self.model_name, config.dtype)
+        self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
         self.core = EngineCore(Scheduler(with_preemption_costs(config.scheduler, self.cost_model), kv), runner,
                                time.monotonic, config.max_consecutive_step_failures)
         if config.step_trace:

@@ -96,7 +96,9 @@ class TorchPagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, d]; k, v: [T, KVH, d]. Returns [T, H * d]."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not meta.prefills and len(meta.decodes) == 1:   # a decode-only step: no copy into a buffer
+            return self._decode(q, k_cache, v_cache, meta.decodes[0])
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for seq in meta.prefills:
             sl = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -105,6 +107,10 @@ class TorchPagedAttention:
             sl = slice(group.start, group.start + group.size)
             out[sl] = self._decode(q[sl], k_cache, v_cache, group)
         return out
+
+    @staticmethod
+    def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, n, d]
@@ -130,8 +136,8 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decodes through the C++ kernel that reads K/V in place via the block tables;
-    prefills through the torch path (compute-bound, where SDPA is already efficient)."""
+    """Decodes through the C++ kernel that reads K/V (fp32 or bf16) in place via the block
+    tables; prefills through the torch path (compute-bound, where SDPA is already efficient)."""
 
     max_decode_groups = 1
 
@@ -139,19 +145,20 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernels = kernels
 
+    def _write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self.kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        o = self.kernels.paged_decode(q.contiguous(), k_cache, v_cache, group.block_tables, group.context_lens,
-                                      self.scale)
+        o = self.kernels.paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale)
         return o.view(q.shape[0], -1)
 
 
 def make_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
                            dtype: torch.dtype) -> TorchPagedAttention:
     """The fastest backend available for the device and dtype, else the portable one."""
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        from conveyor.model.cpu_kernels import load_cpu_kernels
+    from conveyor.model.cpu_kernels import cpu_kernels
 
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels)
+    kernels = cpu_kernels(device, dtype)
+    if kernels is not None:
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels)
     return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

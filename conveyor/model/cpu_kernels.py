@@ -22,7 +22,10 @@ def _cpu_flags() -> list[str]:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
+    out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
+    if "avx512_bf16" in flags and "avx512f" in flags:
+        out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
+    return out
 
 
 @cache
@@ -51,3 +54,12 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if ninja.BIN_DIR not in path.split(os.pathsep):
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def cpu_kernels(device, dtype):
+    """The kernels when they apply to this device and dtype (CPU, fp32 or bf16), else None."""
+    import torch
+
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_cpu_kernels()

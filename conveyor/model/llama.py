@@ -15,6 +15,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from conveyor.model.config import ModelConfig
+from conveyor.model.linear import pack, pack_linears, packed_linear
 from conveyor.model.ops import TorchOps
 
 
@@ -142,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_lm_head: torch.Tensor | None = None
         self.requires_grad_(False)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -156,7 +158,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope, kv, meta)
         x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
         x = self.norm(x)
+        if self.packed_lm_head is not None:
+            return packed_linear(x, self.packed_lm_head, None)
         return F.linear(x, self.lm_head_weight())
+
+    def pack_linears(self) -> None:
+        """Move every matmul weight (the LM head too) into oneDNN's prepacked layout (CPU; see linear.py)."""
+        for layer in self.layers:
+            pack_linears(layer)
+        self.packed_lm_head = pack(self.lm_head_weight())
+        if not self.cfg.tie_word_embeddings:
+            del self.lm_head   # its only copy is the packed one now
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF checkpoints, fusing q/k/v and gate/up on the way."""

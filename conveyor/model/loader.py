@@ -88,6 +88,7 @@ def read_config(directory: Path) -> ModelConfig:
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     from conveyor.model.attention import make_attention_backend
+    from conveyor.model.linear import prefer_packed
     from conveyor.model.ops import make_ops
 
     backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
@@ -97,6 +98,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     model.rope.reset()
     model.rope.to(device)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    if prefer_packed(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size):
+        model.pack_linears()
     return model.eval()
 
 

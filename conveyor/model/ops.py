@@ -13,6 +13,9 @@ import torch.nn.functional as F
 class TorchOps:
     @staticmethod
     def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:   # the statistics in fp32, as HF does for bf16/fp16
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +41,8 @@ class TorchOps:
 
 
 class CpuFusedOps(TorchOps):
-    """fp32 CPU: the same ops through the C++ extension (falls back per call on odd layouts)."""
+    """CPU, fp32 or bf16: the same ops through the C++ extension, math in fp32 (falls back per
+    call on odd layouts)."""
 
     def __init__(self, kernels):
         self.k = kernels
@@ -61,10 +65,7 @@ class CpuFusedOps(TorchOps):
 
 
 def make_ops(device: torch.device | str, dtype: torch.dtype) -> TorchOps:
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        from conveyor.model.cpu_kernels import load_cpu_kernels
+    from conveyor.model.cpu_kernels import cpu_kernels
 
-        kernels = load_cpu_kernels()
-        if kernels is not None:
-            return CpuFusedOps(kernels)
-    return TorchOps()
+    kernels = cpu_kernels(device, dtype)
+    return CpuFusedOps(kernels) if kernels is not None else TorchOps()

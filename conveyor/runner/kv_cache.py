@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.model.config import ModelConfig
+from conveyor.runner.hugepages import empty_huge
 
 
 class KVCacheTensors:
@@ -13,7 +14,10 @@ class KVCacheTensors:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, pin_memory: bool = False):
         shape = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
-        self.data = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
+        if torch.device(device).type == "cpu" and not pin_memory:
+            self.data = empty_huge(shape, dtype)   # 2 MiB pages: a block read is rarely a TLB miss
+        else:
+            self.data = torch.zeros(shape, device=device, dtype=dtype, pin_memory=pin_memory)
         self.num_blocks = num_blocks
         self.block_size = block_size
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
@@ -23,7 +24,8 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host = KVCacheTensors(model.cfg, max(num_host_blocks, 1), block_size, "cpu", dtype, pin_memory=pin)
         self.kv_layers = self.kv.layers
-        self.sampler = Sampler()
+        kernels = cpu_kernels(self.device, dtype)
+        self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None)
         self.record_logits = False       # tests: keep the latest step's logits (rows in scheduling order)
         self.last_logits: torch.Tensor | None = None
 

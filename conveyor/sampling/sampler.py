@@ -37,10 +37,20 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, argmax_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
+        # A fused (first argmax, max) per row, e.g. the C++ CPU kernel; else torch's max.
+        self.argmax_rows = argmax_rows
+
+    def _greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.argmax_rows is not None and logits.is_contiguous():
+            return self.argmax_rows(logits)
+        best, tokens = logits.max(dim=-1)
+        return tokens, best
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         if all(_plain_greedy(r) for r in rows):
-            best, tokens = logits.max(dim=-1)
+            tokens, best = self._greedy(logits)
             _check_finite(best)
             return SamplerOutput(tokens.tolist(), [None] * len(rows), [None] * len(rows))
         raw = logits

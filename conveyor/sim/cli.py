@@ -77,7 +77,9 @@ class Setup:
                           f"{eff['overhead_ms']} ms per step)")
         spec = a.cost_model
         if spec == "auto":
-            path = profile_path(a.model or DEMO, self.config.dtype)
+            dtypes = ("bfloat16", "float32") if self.config.dtype == "auto" else (self.config.dtype,)
+            paths = [profile_path(a.model or DEMO, d) for d in dtypes]
+            path = next((p for p in paths if p.is_file()), paths[0])
             if not path.is_file():
                 if path not in _WARNED:
                     _WARNED.add(path)

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=16, num_kv_blocks=256)
+    return LLM(max_num_seqs=16, num_kv_blocks=256, dtype="float32")   # correctness in fp32
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_generate_in_input_order_and_matches_alone(llm, reference):
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_on_the_demo_model(reference, mode):
     # 12 blocks of 4 tokens for 6 prompts of ~5 tokens + 24 outputs: forces preemption.
-    small = LLM(num_kv_blocks=12, block_size=4, preemption_mode=mode, admission_policy="optimistic",
+    small = LLM(num_kv_blocks=12, block_size=4, preemption_mode=mode, admission_policy="optimistic", dtype="float32",
                 min_resident_steps=1)
     outs = small.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference

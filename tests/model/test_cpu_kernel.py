@@ -46,9 +46,37 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, block_size):
 
 
 @needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 1), (6, 2, 32, 7)])
+def test_bf16_cache_is_read_in_place_with_fp32_math(heads, kv_heads, head_dim, block_size):
+    """bf16 queries and cache: the fp32 attention of the same (bf16-valued) numbers, rounded once."""
+    g = torch.Generator().manual_seed(head_dim)
+    lens = [1, 5, 63, 200, 17]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    work, at = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        work.append(SeqWork([0], n - 1, ids[at:at + nb]))
+        at += nb
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).bfloat16()
+    q, k, v = (torch.randn(len(lens), h, head_dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+    inputs = build_inputs(work, block_size, max_decode_groups=1)
+    perm = torch.tensor(inputs.order)
+    ref = TorchPagedAttention(heads, kv_heads, head_dim)(q[perm].float(), k[perm].float(), v[perm].float(),
+                                                         k_cache.float(), v_cache.float(), inputs.meta)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = CpuPagedAttention(heads, kv_heads, head_dim, kernels)(q[perm], k[perm], v[perm], kc, vc, inputs.meta)
+    assert got.dtype == torch.bfloat16
+    # outputs are convex combinations of O(1) values: one bf16 rounding is below 1e-2
+    torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=8e-3)
+
+
+@needs_kernels
 def test_default_backend_on_cpu_is_the_kernel():
     assert isinstance(make_attention_backend(4, 2, 16, "cpu", torch.float32), CpuPagedAttention)
-    assert type(make_attention_backend(4, 2, 16, "cpu", torch.bfloat16)) is TorchPagedAttention
+    assert isinstance(make_attention_backend(4, 2, 16, "cpu", torch.bfloat16), CpuPagedAttention)
+    assert type(make_attention_backend(4, 2, 16, "cpu", torch.float16)) is TorchPagedAttention
 
 
 def test_kernels_build_on_this_machine():

@@ -57,6 +57,40 @@ def test_rope_in_place_on_views_of_a_fused_qkv(ops, heads, kv_heads, head_dim):
                                atol=0, rtol=0)   # v untouched
 
 
-def test_fused_ops_are_the_default_on_cpu_fp32():
+def test_fused_ops_are_the_default_on_cpu_fp32_and_bf16():
     assert isinstance(make_ops("cpu", torch.float32), CpuFusedOps)
-    assert type(make_ops("cpu", torch.bfloat16)) is TorchOps
+    assert isinstance(make_ops("cpu", torch.bfloat16), CpuFusedOps)
+    assert type(make_ops("cpu", torch.float16)) is TorchOps
+
+
+# bf16 storage, fp32 math: each result is the fp32 result rounded once to bf16 (relative error
+# 2^-8), give or take the order of the fp32 reductions: two bf16 ulps.
+BF16 = dict(atol=1e-2, rtol=8e-3)
+
+
+def test_bf16_rms_norm_silu_and_residual_add_are_rounded_fp32(ops):
+    fused, ref = ops
+    g = torch.Generator().manual_seed(5)
+    x, res = torch.randn(33, 576, generator=g).bfloat16(), torch.randn(33, 576, generator=g).bfloat16()
+    w = (torch.rand(576, generator=g) + 0.5).bfloat16()
+    want = ref.rms_norm(x.float(), w.float(), 1e-5).bfloat16()
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), want, **BF16)
+    r1, r2 = res.clone(), res.clone()
+    out = fused.add_rms_norm(x, r1, w, 1e-5)
+    r2.add_(x)                                     # bf16 add: fp32 sum rounded once, as the kernel does
+    torch.testing.assert_close(r1, r2, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref.rms_norm(r2.float(), w.float(), 1e-5).bfloat16(), **BF16)
+    gate_up = (torch.randn(19, 2 * 48, generator=g) * 4).bfloat16()
+    torch.testing.assert_close(fused.silu_mul(gate_up), ref.silu_mul(gate_up.float()).bfloat16(), **BF16)
+
+
+def test_bf16_rope_in_place(ops):
+    fused, ref = ops
+    T, heads, d, max_pos = 9, 4, 64, 200
+    q = torch.randn(T, heads, d).bfloat16()
+    positions = torch.randint(0, max_pos, (T,))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), torch.rand(d // 2))
+    want, _ = ref.rope(q.float(), q.float(), positions, freqs.cos(), freqs.sin())
+    got, _ = fused.rope(q.clone(), q.clone(), positions, freqs.cos(), freqs.sin())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want.bfloat16(), **BF16)

@@ -1,7 +1,9 @@
 // Paged attention for decoding sequences on CPU: reads each sequence's K/V in place through
-// its block table (no gather copy, no padding to the batch's longest context).
+// its block table (no gather copy, no padding to the batch's longest context). The cache may
+// be fp32 or bf16 (read and widened to fp32 on the fly: half the memory traffic); the math is
+// fp32; the output has the query's dtype.
 //
-// q:            [D, H, d]                 one query token per decoding sequence
+// q:            [D, H, d]                 one query token per decoding sequence (fp32 or bf16)
 // k/v_cache:    [KVH, num_blocks, block_size, d]
 // block_tables: [D, max_blocks] int64
 // context_lens: [D] int64                 tokens of context (including the new one)
@@ -9,11 +11,46 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+using conveyor::load16;
+using conveyor::softmax_rows;
+using conveyor::widen;
+
+// Widen one row of the cache (d values) into an fp32 buffer.
+template <typename T, int HD>
+inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
+    const int len = HD > 0 ? HD : n;
+#pragma omp simd
+    for (int i = 0; i < len; ++i) dst[i] = widen(src[i]);
+}
+
+#if defined(__AVX512F__)
+// bf16 -> fp32 is a 16-bit shift: 16 values per instruction pair (the compiler does not see it).
+template <>
+inline void load_row<at::BFloat16, 64>(const at::BFloat16* __restrict src, float* __restrict dst, int) {
+    const auto* p = reinterpret_cast<const __m256i*>(src);
+    for (int i = 0; i < 4; ++i)
+        _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                           _mm256_loadu_si256(p + i)), 16)));
+}
+
+template <>
+inline void load_row<at::BFloat16, 128>(const at::BFloat16* __restrict src, float* __restrict dst, int) {
+    const auto* p = reinterpret_cast<const __m256i*>(src);
+    for (int i = 0; i < 8; ++i)
+        _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                           _mm256_loadu_si256(p + i)), 16)));
+}
+#endif
 
 template <int HD>
 inline float dot(const float* __restrict a, const float* __restrict b, int n) {
@@ -31,73 +68,210 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int n)
     for (int i = 0; i < len; ++i) y[i] += a * x[i];
 }
 
-template <int HD>
-void decode_impl(const float* q, const float* kc, const float* vc, const int64_t* tables, const int64_t* lens,
-                 float* out, int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t d,
-                 int64_t max_blocks, float scale) {
+template <typename T, int HD>
+void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
+                 int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t d, int64_t max_blocks,
+                 float scale) {
     const int64_t G = H / KVH;
     const int64_t head_stride = num_blocks * bs * d;  // one KV head of the cache
     at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        std::vector<float> acc;
+        std::vector<float> scores, acc, row(d);
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = item / KVH, h = item % KVH;
             const int64_t L = lens[s];
             const int64_t* table = tables + s * max_blocks;
             const float* qs = q + (s * H + h * G) * d;
-            const float* kh = kc + h * head_stride;
-            const float* vh = vc + h * head_stride;
+            const T* kh = kc + h * head_stride;
+            const T* vh = vc + h * head_stride;
             scores.assign(G * L, 0.f);
-            for (int64_t t = 0; t < L; ++t) {
-                const float* kt = kh + (table[t / bs] * bs + t % bs) * d;
-                for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot<HD>(qs + g * d, kt, (int)d) * scale;
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                float* sg = scores.data() + g * L;
-                float mx = sg[0];  // L >= 1; no infinities needed (the file may build with -ffast-math)
-                for (int64_t t = 1; t < L; ++t) mx = std::max(mx, sg[t]);
-                float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < L; ++t) {
-                    sg[t] = std::exp(sg[t] - mx);
-                    sum += sg[t];
+            for (int64_t t0 = 0; t0 < L; t0 += bs) {   // one block at a time: its rows are contiguous
+                const T* kb = kh + table[t0 / bs] * bs * d;
+                const int64_t n = std::min(bs, L - t0);
+                for (int64_t o = 0; o < n; ++o) {
+                    load_row<T, HD>(kb + o * d, row.data(), (int)d);
+                    for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + o] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
                 }
-                const float inv = 1.f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
             }
+            softmax_rows(scores.data(), G, L);
             acc.assign(G * d, 0.f);
-            for (int64_t t = 0; t < L; ++t) {
-                const float* vt = vh + (table[t / bs] * bs + t % bs) * d;
-                for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, vt, scores[g * L + t], (int)d);
+            for (int64_t t0 = 0; t0 < L; t0 += bs) {
+                const T* vb = vh + table[t0 / bs] * bs * d;
+                const int64_t n = std::min(bs, L - t0);
+                for (int64_t o = 0; o < n; ++o) {
+                    load_row<T, HD>(vb + o * d, row.data(), (int)d);
+                    for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * L + t0 + o], (int)d);
+                }
             }
-            float* os = out + (s * H + h * G) * d;
-            std::copy(acc.begin(), acc.end(), os);
+            std::copy(acc.begin(), acc.end(), out + (s * H + h * G) * d);
         }
     });
+}
+
+#if defined(__AVX512F__)
+// r[j] = sum of the 16 lanes of v[j]: 16 horizontal sums as one transposed reduction (~45
+// instructions instead of 16 separate reductions of ~8 each).
+inline __m512 reduce16(const __m512* v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; ++i)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d c = _mm512_castps_pd(w[2 * i]), d = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+// Ask for the rows of tokens [from, to) ahead of use: their blocks sit anywhere in the cache,
+// where the hardware prefetcher cannot guess them.
+template <typename T>
+inline void prefetch_rows(const T* head, const int64_t* table, int64_t from, int64_t to, int64_t bs, int64_t hd) {
+    const int64_t bytes = hd * (int64_t)sizeof(T);
+    for (int64_t t = from; t < to; ++t) {
+        const char* row = reinterpret_cast<const char*>(head + (table[t / bs] * bs + t % bs) * hd);
+        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+    }
+}
+
+// One (sequence, KV head) with G query heads of HD dims, vectors in registers: scores 16 tokens
+// at a time, the weighted sum of V rows into G x HD/16 accumulators that never leave registers.
+template <typename T, int HD, int G>
+void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t bs,
+                        float* out, float scale, std::vector<float>& scores) {
+    constexpr int C = HD / 16;
+    __m512 q[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * HD + 16 * c), _mm512_set1_ps(scale));
+#if defined(__AVX512BF16__)
+    // The scaled query rounded to bf16: the model's q is bf16 already, so this only adds the
+    // rounding of the scaling (none when 1/sqrt(head_dim) is a power of two, e.g. head_dim 64).
+    __m512bh qb[G][HD / 32];
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < HD / 32; ++c) qb[g][c] = _mm512_cvtne2ps_pbh(q[g][2 * c + 1], q[g][2 * c]);
+#endif
+    scores.resize(G * L);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, L - t0);
+        const T* rows[16];
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t t = t0 + j;
+            rows[j] = kh + (table[t / bs] * bs + t % bs) * HD;
+        }
+        prefetch_rows(kh, table, t0 + 16, std::min<int64_t>(L, t0 + 32), bs, HD);
+        for (int g = 0; g < G; ++g) {
+            __m512 part[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                if (j >= n) {
+                    part[j] = _mm512_setzero_ps();
+                    continue;
+                }
+#if defined(__AVX512BF16__)
+                if constexpr (std::is_same_v<T, at::BFloat16>) {
+                    // bf16 K times bf16 q, pairs summed in fp32 by one instruction: no widening.
+                    __m512 s = _mm512_setzero_ps();
+                    for (int c = 0; c < HD / 32; ++c)
+                        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c), qb[g][c]);
+                    part[j] = s;
+                    continue;
+                }
+#endif
+                __m512 s = _mm512_mul_ps(q[g][0], load16<T>(rows[j]));
+                for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g][c], load16<T>(rows[j] + 16 * c), s);
+                part[j] = s;
+            }
+            _mm512_mask_storeu_ps(scores.data() + g * L + t0, (__mmask16)((1u << n) - 1), reduce16(part));
+        }
+    }
+    softmax_rows(scores.data(), G, L);
+    __m512 acc[G][C];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+        if (t % 16 == 0) prefetch_rows(vh, table, t + 16, std::min<int64_t>(L, t + 32), bs, HD);
+        const T* vt = vh + (table[t / bs] * bs + t % bs) * HD;
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load16<T>(vt + 16 * c);
+        for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+            for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * HD + 16 * c, acc[g][c]);
+}
+
+template <typename T, int HD, int G>
+void decode_avx512(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
+                   int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t max_blocks, float scale) {
+    const int64_t head_stride = num_blocks * bs * HD;
+    at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t s = item / KVH, h = item % KVH;
+            decode_item_avx512<T, HD, G>(q + (s * H + h * G) * HD, kc + h * head_stride, vc + h * head_stride,
+                                         tables + s * max_blocks, lens[s], bs, out + (s * H + h * G) * HD, scale,
+                                         scores);
+        }
+    });
+}
+
+// Register-blocked kernels for the shapes of common models (accumulators must fit in registers).
+template <typename T, int HD>
+bool try_avx512(int64_t G, const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
+                float* out, int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t MB, float scale) {
+    switch (HD == 64 ? G : G + 100) {
+        case 1: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 2: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 3: decode_avx512<T, HD, 3>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 4: decode_avx512<T, HD, 4>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 5: decode_avx512<T, HD, 5>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 101: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 102: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        default: return false;
+    }
+}
+#endif
+
+template <typename T>
+void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
+              int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t MB, float scale) {
+#if defined(__AVX512F__)
+    const int64_t G = H / KVH;
+    if (d == 64 && try_avx512<T, 64>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale)) return;
+    if (d == 128 && try_avx512<T, 128>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale)) return;
+#endif
+    if (d == 64) decode_impl<T, 64>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
+    else if (d == 128) decode_impl<T, 128>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
+    else decode_impl<T, 0>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
 }
 
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "fp32 only");
-    TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
+    const auto kv_type = k_cache.scalar_type();
+    TORCH_CHECK(kv_type == torch::kFloat32 || kv_type == torch::kBFloat16, "fp32 or bf16 cache");
+    TORCH_CHECK(v_cache.scalar_type() == kv_type, "K and V caches of one dtype");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16, "fp32 or bf16 queries");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
     TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
+    auto qf = q.to(torch::kFloat32).contiguous();
     auto bt = block_tables.contiguous();
     auto cl = context_lens.contiguous();
     const int64_t D = q.size(0), H = q.size(1), d = q.size(2);
     const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
     TORCH_CHECK(k_cache.size(3) == d && H % KVH == 0, "shape mismatch");
-    auto out = torch::empty_like(q);
-    auto args = std::make_tuple(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<float>());
-    auto run = [&](auto impl) {
-        impl(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
-             std::get<5>(args), D, H, KVH, NB, BS, d, bt.size(1), (float)scale);
-    };
-    if (d == 64) run(decode_impl<64>);
-    else if (d == 128) run(decode_impl<128>);
-    else run(decode_impl<0>);
-    return out;
+    auto out = torch::empty_like(qf);
+    if (kv_type == torch::kFloat32) {
+        dispatch<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<float>(), D, H, KVH, NB, BS, d,
+                        bt.size(1), (float)scale);
+    } else {
+        dispatch<at::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                               v_cache.data_ptr<at::BFloat16>(), bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
+                               out.data_ptr<float>(), D, H, KVH, NB, BS, d, bt.size(1), (float)scale);
+    }
+    return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
