@@ -138,6 +138,9 @@ def main() -> None:
     print(json.dumps(result["throughput_bf16"]), flush=True)
     result["ok"] = all(v["ok"] for v in result["tiny_families"].values()) and result["demo"]["ok"]
     result["wall_s"] = time.perf_counter() - t0
+    if args.device != "cuda":   # a dry run: nothing to record
+        print(json.dumps(result, indent=1, default=str))
+        return
     from common import save
 
     save("gpu_check", result, f"GPU check on {result['name']}: correctness {'ok' if result['ok'] else 'FAILED'}, "

@@ -1,10 +1,11 @@
-"""The engine's step loop on a background thread, with a per-request async stream of outputs.
+"""The engine's step loop beside an event loop, with a per-request async stream of outputs.
 
-Only the engine thread touches the Engine: callers post commands (add, abort, stop) to a
-thread-safe queue and get RequestOutputs back through an asyncio.Queue per request, fed with
-``loop.call_soon_threadsafe`` once per step. Torch releases the GIL in its kernels, so the
-event loop (HTTP, tokenization) runs while the model computes. The HTTP layer only sees the
-``EngineClient`` protocol, so the loop could later move to its own process.
+``EngineLoop`` is the loop: only it touches the Engine; callers post commands (add, abort,
+stop) to a thread-safe queue, applied between steps, and each step's outputs and stats go to
+a sink. ``AsyncEngine`` runs it on a background thread of the server's process: torch releases
+the GIL in its kernels, so the event loop (HTTP, tokenization) runs while the model computes.
+``ProcessEngine`` (process_engine.py) runs the same loop in a child process. The HTTP layer
+only sees the ``EngineClient`` protocol; both clients share the stream bookkeeping here.
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     return new
 
 
+# ---- commands: plain data, so that they can cross a process boundary ----------------------------
+
 @dataclass(slots=True)
-class _Add:
-    stream: RequestStream
+class Add:
+    request_id: str
     prompt: str | list[int] | dict
     params: SamplingParams
     priority: int
@@ -109,124 +112,52 @@ class _Add:
 
 
 @dataclass(slots=True)
-class _Abort:
+class Abort:
     request_id: str
 
 
 @dataclass(slots=True)
-class _Stop:
+class Stop:
     deadline: float   # time.monotonic() after which unfinished requests are aborted
 
 
-@dataclass(slots=True)
-class _Shared:
-    """State both threads touch, always under AsyncEngine._cv."""
+class LoopSink(Protocol):
+    """Where an EngineLoop's results go (a client in this process, or a pipe to one)."""
 
-    commands: deque = field(default_factory=deque)
-    pending_seqs: int = 0       # sequences added but not yet seen by a schedule()
-    stats: dict[str, Any] = field(default_factory=dict)
-    num_unfinished: int = 0     # requests with an open stream
+    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None: ...
+
+    def failed(self, error: BaseException) -> None: ...
 
 
-class AsyncEngine:
-    """Runs `engine` on a background thread; see the module docstring."""
+class EngineLoop:
+    """The engine's step loop: commands applied between steps, results handed to a sink."""
 
-    def __init__(self, engine: Engine, max_waiting: int | None = None):
+    def __init__(self, engine: Engine, sink: LoopSink):
         self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
-        self.max_waiting = max_waiting
-        self._finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self.sink = sink
         self._cv = threading.Condition()
-        self._shared = _Shared(stats=engine.stats())
-        self._accepting = True
-        self._error: BaseException | None = None
-        self._streams: dict[str, RequestStream] = {}   # engine thread only
-        self._step_time_total = 0.0                      # engine thread only
-        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
-        self._thread.start()
+        self._commands: deque = deque()
+        self._live: set[str] = set()          # request ids added and not yet finished
+        self._step_time_total = 0.0
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> AsyncEngine:
-        return cls(Engine(config), max_waiting)
-
-    # ---- caller side (any thread with a running event loop) -------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)   # reads only immutable config
-
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0) -> RequestStream:
-        """Queue a request; raises Overloaded when `max_waiting` sequences already wait."""
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+    def post(self, command: Add | Abort | Stop) -> None:
         with self._cv:
-            if self._error is not None or not self._accepting:
-                raise EngineDeadError(_dead_message(self._error))
-            s = self._shared
-            waiting = s.pending_seqs + s.stats.get("num_waiting", 0)
-            if self.max_waiting is not None and waiting >= self.max_waiting:
-                raise Overloaded(f"{waiting} sequences are already waiting (limit {self.max_waiting})")
-            s.pending_seqs += params.n
-            s.num_unfinished += 1
-            s.commands.append(_Add(stream, prompt, params, priority, time.monotonic()))
-            self._cv.notify()
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        """Abort at any time; applied between steps, the request's KV blocks free at once."""
-        self._post(_Abort(request_id))
-
-    def stats(self) -> dict[str, Any]:
-        """Engine.stats() as of the end of the latest step (exact once idle)."""
-        with self._cv:
-            return dict(self._shared.stats, num_unfinished_requests=self._shared.num_unfinished)
-
-    def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
-        """Call `listener` (on the request's event loop) with every finished output, read or not."""
-        self._finished_listeners.append(listener)
-
-    @property
-    def is_healthy(self) -> bool:
-        """Running and accepting requests (False from the start of a shutdown, or once the engine died)."""
-        return self._accepting and self._error is None and self._thread.is_alive()
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the engine stopped serving (None while it serves or after a clean shutdown)."""
-        return None if self._error is None else str(self._error)
-
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest."""
-        self._stop(timeout)
-        await asyncio.to_thread(self._thread.join)
-
-    def close(self, timeout: float = 0.0) -> None:
-        """Blocking shutdown, for callers without an event loop (outputs still queued are dropped)."""
-        self._stop(timeout)
-        self._thread.join()
-
-    def _stop(self, timeout: float) -> None:
-        with self._cv:
-            self._accepting = False
-        self._post(_Stop(time.monotonic() + timeout))
-
-    def _post(self, command: object) -> None:
-        with self._cv:
-            self._shared.commands.append(command)
+            self._commands.append(command)
             self._cv.notify()
 
-    # ---- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        stale = False      # counts in stats() lag until a schedule() runs after the last change
+    def run(self) -> None:
+        """Step until a Stop command's requests are done (or its deadline passed); never raises."""
+        stale = False      # counts in the stats lag until a schedule() runs after the last change
         stalled = False    # requests exist but the last step scheduled nothing
-        stop: _Stop | None = None
+        stop: Stop | None = None
         try:
             while True:
                 commands, stop = self._wait_for_work(stale, stalled, stop)
                 added = self._apply(commands)
                 busy = self.engine.has_unfinished_requests()
                 if stop is not None and (not busy or time.monotonic() >= stop.deadline):
-                    self._abort_all()
+                    for rid in list(self._live):
+                        self.engine.abort_request(rid)
                     self._step(added)
                     return
                 if busy or stale or added:
@@ -234,92 +165,162 @@ class AsyncEngine:
                     stale = busy
                 if self.engine.dead:   # its requests already failed in the step that killed it
                     raise EngineDeadError(f"the engine stopped: {self.engine.core.dead_reason}")
-        except BaseException as e:   # noqa: BLE001 - any failure ends the loop; streams must hear of it
+        except BaseException as e:   # noqa: BLE001 - any failure ends the loop; the streams must hear of it
             if not isinstance(e, EngineDeadError):
                 logger.exception("engine loop failed")
-            with self._cv:
-                self._error = e
-                self._accepting = False
-            self._fail_all(e)
+            self.sink.failed(e)
         finally:
             try:
                 self.engine.save_trace()
             except Exception:   # noqa: BLE001 - a trace that cannot be written must not hide the exit
                 logger.exception("could not write the step trace")
 
-    def _wait_for_work(self, stale: bool, stalled: bool, stop: _Stop | None) -> tuple[list, _Stop | None]:
+    def _wait_for_work(self, stale: bool, stalled: bool, stop: Stop | None) -> tuple[list, Stop | None]:
         with self._cv:
-            s = self._shared
             idle = not self.engine.has_unfinished_requests() and not stale
-            if not s.commands and stop is None and (idle or stalled):
+            if not self._commands and stop is None and (idle or stalled):
                 self._cv.wait(timeout=None if idle else _STALL_WAIT_S)
-            elif not s.commands and stop is not None and stalled:
+            elif not self._commands and stop is not None and stalled:
                 self._cv.wait(timeout=max(0.0, min(_STALL_WAIT_S, stop.deadline - time.monotonic())))
-            commands = list(s.commands)
-            s.commands.clear()
+            commands = list(self._commands)
+            self._commands.clear()
         for c in commands:
-            if isinstance(c, _Stop) and (stop is None or c.deadline < stop.deadline):
+            if isinstance(c, Stop) and (stop is None or c.deadline < stop.deadline):
                 stop = c
         return commands, stop
 
     def _apply(self, commands: list) -> int:
         """Apply queued commands in order; returns the number of sequences added."""
-        added = 0
+        added, rejected = 0, []
         for c in commands:
-            if isinstance(c, _Add):
+            if isinstance(c, Add):
                 added += c.params.n
-                rid = c.stream.request_id
                 try:
-                    if rid in self._streams:
-                        raise ValueError(f"duplicate request id {rid!r}")
-                    self.engine.add_request(c.prompt, c.params, rid, c.priority, c.arrival_time)
-                    self._streams[rid] = c.stream
+                    if c.request_id in self._live:
+                        raise ValueError(f"duplicate request id {c.request_id!r}")
+                    self.engine.add_request(c.prompt, c.params, c.request_id, c.priority, c.arrival_time)
+                    self._live.add(c.request_id)
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    self._send([(c.stream, error_output(rid, str(e)))])
-            elif isinstance(c, _Abort):
+                    rejected.append(error_output(c.request_id, str(e)))
+            elif isinstance(c, Abort):
                 self.engine.abort_request(c.request_id)
+        if rejected:
+            self.sink.deliver(rejected, self.engine.stats(), 0)
         return added
 
-    def _abort_all(self) -> None:
-        for rid in list(self._streams):
-            self.engine.abort_request(rid)
-
     def _step(self, added: int) -> bool:
-        """One engine step; publishes stats and delivers outputs. Returns True if it stalled."""
+        """One engine step; hands over outputs and stats. Returns True if it stalled."""
         outputs = self.engine.step()
         self._step_time_total += self.engine.last_step_time
         stats = self.engine.stats()
         stats["step_time_total"] = self._step_time_total   # seconds inside Engine.step(), all steps
-        with self._cv:
-            self._shared.pending_seqs -= added
-            self._shared.stats = stats
-        self._deliver(outputs)
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        self.sink.deliver(outputs, stats, added)
         return not outputs and stats["step_prefill_tokens"] + stats["step_decode_tokens"] == 0
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        items = []
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            items.append((stream, out))
-        self._send(items)
 
-    def _send(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
+@dataclass(slots=True)
+class _Shared:
+    """Client-side state, always under StreamingClient._lock."""
+
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    pending_seqs: int = 0       # sequences added but not yet applied by the loop
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class StreamingClient:
+    """The caller side shared by AsyncEngine and ProcessEngine: streams, back-pressure, health.
+
+    Subclasses set model_name, max_model_len, tokenizer, and implement _post (send a command to
+    the loop) and _validate; results arrive through deliver() / failed() (the LoopSink).
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def __init__(self, max_waiting: int | None, stats: dict[str, Any]):
+        self.max_waiting = max_waiting
+        self._finished_listeners: list[Callable[[RequestOutput], None]] = []
+        self._lock = threading.Lock()
+        self._shared = _Shared(stats=stats)
+        self._accepting = True
+        self._error: BaseException | None = None
+
+    # ---- caller side (any thread with a running event loop) -------------------------------
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                    priority: int = 0) -> RequestStream:
+        """Queue a request; raises Overloaded when `max_waiting` sequences already wait."""
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if self._error is not None or not self._accepting:
+                raise EngineDeadError(_dead_message(self._error))
+            s = self._shared
+            waiting = s.pending_seqs + s.stats.get("num_waiting", 0)
+            if self.max_waiting is not None and waiting >= self.max_waiting:
+                raise Overloaded(f"{waiting} sequences are already waiting (limit {self.max_waiting})")
+            if request_id in s.streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            s.pending_seqs += params.n
+            s.streams[request_id] = stream
+        self._post(Add(request_id, prompt, params, priority, time.monotonic()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort at any time; applied between steps, the request's KV blocks free at once."""
+        self._post(Abort(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of the end of the latest step (exact once idle)."""
+        with self._lock:
+            return dict(self._shared.stats, num_unfinished_requests=len(self._shared.streams))
+
+    def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
+        """Call `listener` (on the request's event loop) with every finished output, read or not."""
+        self._finished_listeners.append(listener)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine stopped serving (None while it serves or after a clean shutdown)."""
+        return None if self._error is None else str(self._error)
+
+    def _stop(self, timeout: float) -> None:
+        with self._lock:
+            self._accepting = False
+        self._post(Stop(time.monotonic() + timeout))
+
+    def _post(self, command: Add | Abort | Stop) -> None:
+        raise NotImplementedError
+
+    # ---- results (LoopSink; called from the loop's side) ---------------------------------------
+    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
-        for stream, out in items:
-            by_loop.setdefault(stream.loop, []).append((stream, out))
-        finished = sum(1 for _, out in items if out.finished)
-        if finished:
-            with self._cv:
-                self._shared.num_unfinished -= finished
+        with self._lock:
+            s = self._shared
+            s.pending_seqs -= applied_seqs
+            s.stats = stats
+            for out in outputs:
+                stream = s.streams.pop(out.request_id, None) if out.finished else s.streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._hand_over, items)
             except RuntimeError:   # that loop is closed: nobody is listening any more
                 pass
+
+    def failed(self, error: BaseException) -> None:
+        """The loop ended with `error`: every open stream gets an error output; no more requests."""
+        with self._lock:
+            self._error = error
+            self._accepting = False
+            stats = self._shared.stats
+        message = _dead_message(error)
+        with self._lock:
+            open_ids = list(self._shared.streams)
+        self.deliver([error_output(rid, message) for rid in open_ids], stats, 0)
 
     def _hand_over(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
         """Runs on the caller's event loop."""
@@ -332,16 +333,44 @@ class AsyncEngine:
                     except Exception:   # noqa: BLE001 - metrics must not break delivery
                         logger.exception("finished-request listener failed")
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cv:
-            commands = list(self._shared.commands)
-            self._shared.commands.clear()
-        message = _dead_message(error)
-        streams = list(self._streams.values()) + [c.stream for c in commands if isinstance(c, _Add)]
-        self._streams.clear()
-        self._send([(s, error_output(s.request_id, message)) for s in streams])
 
+class AsyncEngine(StreamingClient):
+    """Runs `engine`'s loop on a background thread of this process; see the module docstring."""
 
+    def __init__(self, engine: Engine, max_waiting: int | None = None):
+        super().__init__(max_waiting, engine.stats())
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
+        self._loop = EngineLoop(engine, self)
+        self._thread = threading.Thread(target=self._loop.run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> AsyncEngine:
+        return cls(Engine(config), max_waiting)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_token_ids, params)   # reads only immutable config
+
+    def _post(self, command: Add | Abort | Stop) -> None:
+        self._loop.post(command)
+
+    @property
+    def is_healthy(self) -> bool:
+        """Running and accepting requests (False from the start of a shutdown, or once the engine died)."""
+        return self._accepting and self._error is None and self._thread.is_alive()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest."""
+        self._stop(timeout)
+        await asyncio.to_thread(self._thread.join)
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Blocking shutdown, for callers without an event loop (outputs still queued are dropped)."""
+        self._stop(timeout)
+        self._thread.join()
 
 
 def _dead_message(error: BaseException | None) -> str:

@@ -141,19 +141,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError with a clear message if the request can never run."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, {n - self.max_model_len + 1} more than the context of "
-                f"{self.max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
-                f"smaller of the model's context and the KV cache)")
-        if params.stop:
-            compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
@@ -217,6 +205,22 @@ class Engine:
         d = self.core.stats_dict()
         d["last_step_time"] = self.last_step_time
         return d
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """InvalidRequestError with a clear message if the request can never run on this engine."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {n} tokens, {n - max_model_len + 1} more than the context of "
+            f"{max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
+            f"smaller of the model's context and the KV cache)")
+    if params.stop:
+        compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
 
 
 def chrome_path(path: str) -> str:

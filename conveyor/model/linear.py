@@ -10,6 +10,7 @@ decode batch sizes; for fp32 it is about even), since the CPUs of these machines
 from __future__ import annotations
 
 import logging
+import os
 import time
 from functools import cache
 
@@ -62,7 +63,10 @@ def _measured(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
 
 
 def prefer_packed(device: torch.device | str, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
-    """Use prepacked weights for this dtype? (CPU only; measured once per process and shape.)"""
+    """Use prepacked weights for this dtype? (CPU only; measured once per process and shape;
+    CONVEYOR_PACKED_LINEAR=off turns them off, for comparisons.)"""
+    if os.environ.get("CONVEYOR_PACKED_LINEAR", "auto") == "off":
+        return False
     return torch.device(device).type == "cpu" and _measured(dtype, in_features, out_features)
 
 

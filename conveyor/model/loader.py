@@ -103,6 +103,21 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     return model.eval()
 
 
+def model_directory(path: Path) -> Path:
+    """The HF directory of a model: itself, or a GGUF file's conversion (made once, cached)."""
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if not (is_gguf or path.is_dir()):
+        raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
+    return convert_gguf(path) if is_gguf else path
+
+
+def load_tokenizer(model: str | Path | None = None):
+    """Only the tokenizer of a model (what a front-end process needs)."""
+    from conveyor.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_dir(model_directory(resolve_model_path(model)))
+
+
 @dataclass(slots=True)
 class LoadedModel:
     config: ModelConfig
@@ -117,10 +132,7 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     from conveyor.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
-    is_gguf = path.is_file() and path.suffix == ".gguf"
-    if not (is_gguf or path.is_dir()):
-        raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
-    directory = convert_gguf(path) if is_gguf else path
+    directory = model_directory(path)
     cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
     tokenizer = Tokenizer.from_hf_dir(directory)  # a GGUF's tokenizer is cached beside its weights
     if not cfg.eos_token_ids:

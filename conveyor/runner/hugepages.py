@@ -4,12 +4,14 @@ A decode step reads every sequence's KV blocks, each at a different place in a c
 gigabytes: with 4 KiB pages nearly every block is a TLB miss and a page walk. Backing the cache
 with 2 MiB pages (Linux THP in "madvise" or "always" mode) removes most of them. The memory is
 advised before it is first touched, so that it is faulted in as huge pages.
+CONVEYOR_HUGE_PAGES=off turns this off, for comparisons.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -31,7 +33,8 @@ def thp_mode() -> str:
 
 def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape) on the CPU, on huge pages when the OS offers them."""
-    if not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always"):
+    if (not sys.platform.startswith("linux") or thp_mode() not in ("madvise", "always")
+            or os.environ.get("CONVEYOR_HUGE_PAGES", "auto") == "off"):
         return torch.zeros(shape, dtype=dtype)
     numel = 1
     for d in shape:

@@ -1,0 +1,148 @@
+"""The engine's step loop in its own process, behind the same EngineClient protocol.
+
+The server's process keeps HTTP, tokenization and the streams; a child process (spawned, not
+forked: torch's thread pools do not survive a fork) loads the model and runs ``EngineLoop``.
+Commands go down one pipe, each step's outputs and stats come back up another as one pickled
+message. Nothing but plain data crosses (the seam of the engine core makes that possible),
+and the two processes share no GIL: the event loop's work no longer waits for the engine's
+Python, nor the other way round. The child ignores SIGINT/SIGTERM — the parent decides when it
+stops (a Stop command, or the command pipe closing when the parent dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import time
+from typing import Any
+
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import Abort, Add, EngineLoop, Stop, StreamingClient
+from conveyor.engine.core import EngineDeadError
+from conveyor.engine.engine import validate_request
+from conveyor.engine.outputs import RequestOutput
+from conveyor.model.loader import load_tokenizer
+from conveyor.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _PipeSink:
+    """The child's LoopSink: each step's results as one message to the parent."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None:
+        self.conn.send(("out", outputs, stats, applied_seqs))
+
+    def failed(self, error: BaseException) -> None:
+        self.conn.send(("failed", str(error), isinstance(error, EngineDeadError)))
+
+
+def _child_main(config: EngineConfig, commands, results, log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        from conveyor.engine.engine import Engine
+
+        engine = Engine(config)
+    except BaseException as e:   # noqa: BLE001 - the parent reports it
+        results.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    loop = EngineLoop(engine, _PipeSink(results))
+    results.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+                            "vocab_size": engine.model_config.vocab_size, "stats": engine.stats(),
+                            "dtype": engine.dtype}))
+
+    def forward() -> None:
+        while True:
+            try:
+                command = commands.recv()
+            except (EOFError, OSError):   # the parent is gone: stop now
+                loop.post(Stop(time.monotonic()))
+                return
+            loop.post(command)
+
+    threading.Thread(target=forward, name="conveyor-commands", daemon=True).start()
+    loop.run()
+    results.send(("closed",))
+
+
+class ProcessEngine(StreamingClient):
+    """Runs the engine's loop in a child process; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None):
+        ctx = mp.get_context("spawn")
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        self._results, results_send = ctx.Pipe(duplex=False)
+        self.tokenizer = load_tokenizer(config.model)   # before the child: a GGUF is converted once, here
+        self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=True,
+                                 args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        cmd_recv.close()
+        results_send.close()
+        try:
+            first = self._results.recv()
+        except EOFError:
+            first = ("error", f"the engine process exited with code {self._proc.exitcode}")
+        if first[0] != "ready":
+            self._proc.join(timeout=5)
+            raise RuntimeError(f"the engine process could not start: {first[1]}")
+        info = first[1]
+        super().__init__(max_waiting, info["stats"])
+        self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
+        self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
+        self._send_lock = threading.Lock()
+        self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)
+        self._receiver.start()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+
+    def _post(self, command: Add | Abort | Stop) -> None:
+        try:
+            with self._send_lock:
+                self._commands.send(command)
+        except (OSError, ValueError):   # the child is gone; the receiver reports why
+            pass
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = self._results.recv()
+            except (EOFError, OSError):
+                self._proc.join(timeout=5)
+                if self._error is None and self._accepting:
+                    self.failed(RuntimeError(f"the engine process exited unexpectedly "
+                                             f"(exit code {self._proc.exitcode})"))
+                return
+            if msg[0] == "out":
+                self.deliver(msg[1], msg[2], msg[3])
+            elif msg[0] == "failed":
+                self.failed(EngineDeadError(msg[1]) if msg[2] else RuntimeError(msg[1]))
+            elif msg[0] == "closed":
+                return
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._accepting and self._error is None and self._proc.is_alive()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        self._stop(timeout)
+        await asyncio.to_thread(self._join)
+
+    def close(self, timeout: float = 0.0) -> None:
+        self._stop(timeout)
+        self._join()
+
+    def _join(self) -> None:
+        self._receiver.join()
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
