@@ -10,9 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "SchedulerConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "SchedulerConfig"]
 
 _WHERE = {"LLM": "conveyor.engine.llm", "SamplingParams": "conveyor.sampling.params",
+          "StructuredOutputsParams": "conveyor.sampling.structured",
           "RequestOutput": "conveyor.engine.outputs", "CompletionOutput": "conveyor.engine.outputs",
           "EngineConfig": "conveyor.config", "SchedulerConfig": "conveyor.scheduler.config"}
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from conveyor.engine.llm import LLM
     from conveyor.engine.outputs import CompletionOutput, RequestOutput
     from conveyor.sampling.params import SamplingParams
+    from conveyor.sampling.structured import StructuredOutputsParams
     from conveyor.scheduler.config import SchedulerConfig
 
 

@@ -45,12 +45,17 @@ class EngineConfig:
                 "recompute_cost_per_token constants)")
     step_trace: str | None = option(None, "record every step and write the trace to this JSON file (and a "
                                           "Chrome/Perfetto trace beside it) at the end of generate() or serve")
+    tensor_parallel_size: int = option(
+        1, "ranks that each hold a slice of every layer (Megatron-style, over torch.distributed: gloo on CPU, "
+           "NCCL on CUDA); spawned on this machine, or joined under torchrun")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("max_consecutive_step_failures must be >= 1")
 

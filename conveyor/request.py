@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from conveyor.sampling.params import SamplingParams
 
@@ -67,6 +68,7 @@ class Request:
     error: str | None = None              # why it finished with FINISHED_ERROR
     arrival_seq: int = 0                  # FCFS tie-break, kept across preemptions
     resumed_step: int = -1                # step at which it last (re)entered RUNNING
+    grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -174,6 +174,10 @@ class EngineLoop:
                 self.engine.save_trace()
             except Exception:   # noqa: BLE001 - a trace that cannot be written must not hide the exit
                 logger.exception("could not write the step trace")
+            try:
+                self.engine.close()
+            except Exception:   # noqa: BLE001
+                logger.exception("could not stop the tensor-parallel ranks")
 
     def _wait_for_work(self, stale: bool, stalled: bool, stop: Stop | None) -> tuple[list, Stop | None]:
         with self._cv:

@@ -71,6 +71,7 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.last_plan: SchedulerOutput | None = None
         self.tracer: StepTracer | None = None   # opt-in per-step records (engine/trace.py)
+        self.grammars = None   # structured outputs: a sampling.structured.GrammarBackend, set by the engine
 
     @property
     def dead(self) -> bool:
@@ -127,6 +128,11 @@ class EngineCore:
         if plan.is_empty:
             return []
         scheduled = [s.request_id for s in plan.scheduled]
+        if self.grammars is not None:
+            try:
+                self._grammar_masks(plan)
+            except Exception as e:   # noqa: BLE001
+                return self._step_failed("computing structured-output masks failed", e, scheduled)
         if plan.has_swaps:
             try:
                 self.executor.swap(plan.swap_out, plan.swap_in)
@@ -147,7 +153,34 @@ class EngineCore:
             touched = self.scheduler.update(plan, model_out)
         except Exception as e:   # noqa: BLE001
             return self._die("the scheduler's update failed", e)
+        if self.grammars is not None:
+            self._advance_grammars(touched)
         return self._updates(plan, model_out, touched)
+
+    def _grammar_masks(self, plan: SchedulerOutput) -> None:
+        """Allowed-token bitmasks of the constrained sequences that sample this step, in one parallel call."""
+        requests = self.scheduler.requests
+        rows, matchers = [], []
+        for i, s in enumerate(x for x in plan.scheduled if x.sampling is not None):
+            request = requests.get(s.request_id)
+            if request is not None and request.grammar is not None:
+                rows.append(i)
+                matchers.append(request.grammar)
+        if matchers:
+            plan.grammar_rows = rows
+            plan.grammar_bitmask = self.grammars.fill_bitmasks(matchers)
+
+    def _advance_grammars(self, touched: list[Request]) -> None:
+        """Feed each constrained sequence its new token; a completed grammar finishes the request."""
+        for r in touched:
+            if r.grammar is None or r.is_finished:
+                continue
+            if not r.grammar.consume_token(r.all_token_ids[-1]):
+                logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", r.request_id,
+                               r.all_token_ids[-1], r.grammar.get_error())
+                self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
+            elif r.grammar.is_stopped():   # nothing but the end can follow
+                self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _updates(plan: SchedulerOutput, model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:

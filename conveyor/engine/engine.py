@@ -65,19 +65,24 @@ class Engine:
             if dtype == torch.float16 and torch.device(config.device).type == "cpu":
                 raise ValueError("dtype float16 runs on CUDA only; on a CPU use bfloat16 or float32 (or auto)")
         self.dtype = str(dtype).removeprefix("torch.")
+        tp = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor parallelism loads its slices itself: pass a model path, not a loaded model")
+            tp, loaded = self._start_tensor_parallel(config, dtype)
         self.loaded = loaded or load_model(config.model, config.device, dtype)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        block_bytes = KVCacheTensors.bytes_per_block(self.model_config, config.block_size, dtype.itemsize)
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
-        num_host = int(config.swap_space_gib * GIB // block_bytes)
+        num_blocks, num_host = kv_cache_blocks(config, self.model_config, dtype)
         # A sequence can never outgrow the whole cache: cap its length there so that a lone
         # request always fits (else it would preempt itself forever).
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings,
                                  num_blocks * config.block_size)
         kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
         runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
+        if tp is not None:
+            runner = self._tensor_parallel_executor(runner, tp)
         self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
         self.core = EngineCore(Scheduler(with_preemption_costs(config.scheduler, self.cost_model), kv), runner,
                                time.monotonic, config.max_consecutive_step_failures)
@@ -85,10 +90,48 @@ class Engine:
             self.core.tracer = StepTracer(meta={"source": "engine", "model": self.model_name,
                                                 "config": asdict(config)})
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = grammar_backend(self.tokenizer, self.model_config.vocab_size)
+        self.core.grammars = self.grammars
         self._rng = random.Random(config.seed)
         self._next_id = 0
         self._next_seq = 0
         self.last_step_time = 0.0   # seconds in the latest step(), output processing included
+
+    @staticmethod
+    def _start_tensor_parallel(config: EngineConfig, dtype: torch.dtype):
+        """Start the group, tell the other ranks what to load, load rank 0's slice."""
+        import os
+
+        from conveyor.model.loader import model_directory, read_config, resolve_model_path
+        from conveyor.parallel.tp import WorkerSetup, start_group
+
+        world = config.tensor_parallel_size
+        model_directory(resolve_model_path(config.model))   # a GGUF is converted once, before the ranks load it
+        cfg = read_config(model_directory(resolve_model_path(config.model)))
+        num_blocks, num_host = kv_cache_blocks(config, cfg, dtype)
+        threads = max(1, (config.torch_threads or os.cpu_count() or 1) // world)
+        group = start_group(world, config.device)
+        torch.set_num_threads(threads)
+        group.broadcast(WorkerSetup(config, str(dtype).removeprefix("torch."), num_blocks, num_host, threads))
+        try:
+            loaded = load_model(config.model, config.device, dtype, tp=group)
+            group.broadcast(None)   # every rank has loaded its slice
+        except BaseException:
+            group.close(timeout=0)
+            raise
+        return group, loaded
+
+    @staticmethod
+    def _tensor_parallel_executor(runner: ModelRunner, group):
+        from conveyor.parallel.tp import TPExecutor
+
+        return TPExecutor(runner, group)
+
+    def close(self) -> None:
+        """Release what outlives the engine object (the other tensor-parallel ranks)."""
+        close = getattr(self.core.executor, "close", None)
+        if close is not None:
+            close()
 
     # The core's parts, for tests, benchmarks and stats.
     @property
@@ -141,7 +184,7 @@ class Engine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError with a clear message if the request can never run."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.grammars)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
@@ -161,6 +204,11 @@ class Engine:
             self._next_seq += 1
             seq = Request(f"seq-{self._next_seq}", inp.prompt_token_ids, p, seed=seed, priority=int(priority),
                           arrival_time=arrival, max_model_len=self.max_model_len, prefill_leader=leader)
+            if p.structured_outputs is not None:
+                try:
+                    seq.grammar = self.grammars.matcher(p.structured_outputs)   # compiled once, cached
+                except ValueError as e:
+                    raise InvalidRequestError(str(e)) from e
             leader = leader or seq
             seqs.append(seq)
         added = []
@@ -207,7 +255,23 @@ class Engine:
         return d
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int, int]:
+    """(device blocks, host swap blocks) of the whole cache; tensor-parallel ranks each hold their
+    heads' slice of every block, so the count does not depend on tensor_parallel_size."""
+    block_bytes = KVCacheTensors.bytes_per_block(cfg, config.block_size, dtype.itemsize)
+    num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
+    return num_blocks, int(config.swap_space_gib * GIB // block_bytes)
+
+
+def grammar_backend(tokenizer, vocab_size: int):
+    """The structured-output compiler for this tokenizer (llguidance loads on first use)."""
+    from conveyor.sampling.structured import GrammarBackend
+
+    return GrammarBackend(tokenizer.backend.to_str(), list(tokenizer.eos_token_ids), vocab_size)
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     grammars=None) -> None:
     """InvalidRequestError with a clear message if the request can never run on this engine."""
     n = len(prompt_token_ids)
     if n == 0:
@@ -221,6 +285,11 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
             f"smaller of the model's context and the KV cache)")
     if params.stop:
         compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
+    if params.structured_outputs is not None and grammars is not None:
+        try:
+            grammars.compile(params.structured_outputs)   # the caller's thread; cached for the engine
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
 
 
 def chrome_path(path: str) -> str:

@@ -110,5 +110,15 @@ class LLM:
             self.engine.save_trace()
         return [done[i] for i in ids if i in done]
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict:
         return self.engine.stats()

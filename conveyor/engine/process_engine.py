@@ -22,7 +22,7 @@ from typing import Any
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Abort, Add, EngineLoop, Stop, StreamingClient
 from conveyor.engine.core import EngineDeadError
-from conveyor.engine.engine import validate_request
+from conveyor.engine.engine import grammar_backend, validate_request
 from conveyor.engine.outputs import RequestOutput
 from conveyor.model.loader import load_tokenizer
 from conveyor.sampling.params import SamplingParams
@@ -66,6 +66,12 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
             except (EOFError, OSError):   # the parent is gone: stop now
                 loop.post(Stop(time.monotonic()))
                 return
+            constraint = getattr(getattr(command, "params", None), "structured_outputs", None)
+            if constraint is not None:   # compile here, off the step loop (the loop finds it cached)
+                try:
+                    engine.grammars.compile(constraint)
+                except ValueError:
+                    pass   # the loop's add_request reports it
             loop.post(command)
 
     threading.Thread(target=forward, name="conveyor-commands", daemon=True).start()
@@ -81,7 +87,7 @@ class ProcessEngine(StreamingClient):
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._results, results_send = ctx.Pipe(duplex=False)
         self.tokenizer = load_tokenizer(config.model)   # before the child: a GGUF is converted once, here
-        self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=True,
+        self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=False,
                                  args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
         self._proc.start()
         cmd_recv.close()
@@ -97,12 +103,13 @@ class ProcessEngine(StreamingClient):
         super().__init__(max_waiting, info["stats"])
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
+        self._grammars = grammar_backend(self.tokenizer, self.vocab_size)   # a bad grammar is a 400 here
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)
         self._receiver.start()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self._grammars)
 
     def _post(self, command: Add | Abort | Stop) -> None:
         try:

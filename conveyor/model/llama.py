@@ -77,9 +77,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -97,18 +98,25 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = rope.forward(positions, q, k)
-        return self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+        out = self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+        if self.tp is not None:   # tensor parallel: each rank has a share of the heads
+            self.tp.all_reduce(out)
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, tp=None):
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
+        if self.tp is not None:   # tensor parallel: each rank has a share of the columns
+            self.tp.all_reduce(out)
+        return out
 
 
 # The hot path calls submodules' forward() directly: nn.Module.__call__'s hook checks cost
@@ -116,12 +124,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, backend, ops)
+        self.self_attn = Attention(cfg, backend, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, tp)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta):
         """Pre-norm block with the residual stream carried separately, so each residual add is
@@ -134,19 +142,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchOps | None = None):
+    """With ``tp`` (conveyor.parallel.tp.TPGroup), `cfg` is this rank's slice (its heads and MLP
+    width) and the LM head holds ``lm_head_rows`` vocab rows; rank 0's forward returns the full logits."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchOps | None = None,
+                 tp=None, lm_head_rows: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         ops = ops or TorchOps()
         self.ops = ops
         backend = backend or TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.attn_backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, ops)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows or cfg.vocab_size, bias=False)
         self.packed_lm_head: torch.Tensor | None = None
         self.requires_grad_(False)
 
@@ -163,8 +176,10 @@ class LlamaForCausalLM(nn.Module):
         x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
         x = self.norm.forward(x)
         if self.packed_lm_head is not None:
-            return packed_linear(x, self.packed_lm_head, None)
-        return F.linear(x, self.lm_head_weight())
+            logits = packed_linear(x, self.packed_lm_head, None)
+        else:
+            logits = F.linear(x, self.lm_head_weight())
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def pack_linears(self) -> None:
         """Move every matmul weight (the LM head too) into oneDNN's prepacked layout (CPU; see linear.py)."""

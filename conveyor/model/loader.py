@@ -86,14 +86,22 @@ def read_config(directory: Path) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32, tp=None) -> LlamaForCausalLM:
+    """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it."""
     from conveyor.model.attention import make_attention_backend
     from conveyor.model.linear import prefer_packed
     from conveyor.model.ops import make_ops
 
+    rows = None
+    if tp is not None:
+        from conveyor.parallel.tp import Shard
+
+        shard = Shard.of(cfg, tp.rank, tp.world)
+        weights = shard.shard_weights(cfg, weights)
+        cfg, rows, tp.vocab_size = shard.local_config(cfg), shard.vocab_shard, cfg.vocab_size
     backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, make_ops(device, dtype))
+        model = LlamaForCausalLM(cfg, backend, make_ops(device, dtype), tp, rows)
     model = model.to_empty(device=device).to(dtype)
     model.rope.reset()
     model.rope.to(device)
@@ -128,7 +136,8 @@ class LoadedModel:
 
 
 def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, tp=None) -> LoadedModel:
+    """Config, tokenizer and model (with ``tp``: this rank's slice; `config` stays the full model's)."""
     from conveyor.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
@@ -137,5 +146,5 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     tokenizer = Tokenizer.from_hf_dir(directory)  # a GGUF's tokenizer is cached beside its weights
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
-    net = build_model(cfg, load_weights(directory), device, dtype)
+    net = build_model(cfg, load_weights(directory), device, dtype, tp)
     return LoadedModel(cfg, net, tokenizer, path, default_model_name(path))

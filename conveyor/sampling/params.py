@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from conveyor.sampling.structured import StructuredOutputsParams
+
 _MAX_LOGPROBS = 20
 # Stop strings are matched by an automaton built per distinct set (O(total characters), about
 # 1 ms per 1,000 characters); these bounds keep that and its memory small.
@@ -56,6 +58,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The output must match this (a JSON schema, a regex, a choice, a grammar): see structured.py.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; not a user field in vLLM either.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -70,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.eos_token_ids = tuple(self.eos_token_ids)
         if self.top_k == -1:

@@ -8,6 +8,7 @@ touch a plan's lists after handing it over.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.sampling.params import SamplingParams
 
@@ -50,6 +51,10 @@ class SchedulerOutput:
     swapped_out_ids: list[str] = field(default_factory=list)        # requests whose KV swap_out copies
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # Structured outputs: allowed-token bitmasks (int32 [rows, ceil(vocab/32)]) for these rows of
+    # the sampled sequences (indices among the scheduled sequences that sample, in order).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import EngineClient
 from conveyor.server.chat import create_chat_completion
@@ -25,10 +25,10 @@ MAX_BODY_BYTES = 4 << 20
 
 def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
-              shutdown_timeout: float = 30.0) -> FastAPI:
+              shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes") -> FastAPI:
     """An app serving `client`; on lifespan shutdown it shuts the engine down too."""
     names = list(served_model_names or [client.model_name])
-    state = ServerState(client, names, ServerMetrics(client.stats, names[0]))
+    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser)
     client.add_finished_listener(state.metrics.observe_finished)
 
     @contextlib.asynccontextmanager
@@ -68,7 +68,12 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     @app.get("/health")
     async def health() -> Response:
         if client.is_healthy:
-            return Response(status_code=200)
+            health = getattr(client, "replica_health", None)
+            if health is None:
+                return Response(status_code=200)
+            up = health()   # data parallel: serving while any replica is up; say which are down
+            return JSONResponse({"status": "ok" if all(up) else "degraded",
+                                 "replicas": [{"replica": i, "up": u} for i, u in enumerate(up)]})
         reason = client.dead_reason
         return APIError(503, "the engine is not running" + (f": {reason}" if reason else " (shutting down)"),
                         code="unavailable").response()
@@ -98,6 +103,14 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
         return DetokenizeResponse(prompt=client.tokenizer.decode(body.tokens))
 
     return app
+
+
+def replica_states(client: EngineClient) -> list[tuple[dict, bool]]:
+    """(stats, serving) per engine replica: one for a single engine, N under data parallelism."""
+    per_replica = getattr(client, "replica_stats", None)
+    if per_replica is None:
+        return [(client.stats(), client.is_healthy)]
+    return list(zip(per_replica(), client.replica_health()))
 
 
 def _card(state: ServerState, name: str) -> ModelCard:

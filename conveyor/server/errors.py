@@ -60,6 +60,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("loc") == ("body",):
         return ("the body must be a JSON object, sent with Content-Type: application/json "
                 f"({first.get('msg')})"), None
+    unsupported = [str(e["loc"][-1]) for e in errors if e.get("type") == "extra_forbidden" and e.get("loc")]
+    if unsupported:   # a field we do not implement must not be silently ignored
+        names = ", ".join(map(repr, unsupported))
+        return (f"unsupported field{'s' if len(unsupported) > 1 else ''} {names}: this server does not implement "
+                f"{'them' if len(unsupported) > 1 else 'it'}, and ignoring it would change what you asked for"), \
+            unsupported[0]
     # A union field (e.g. prompt) fails once per alternative; report the field, not each alternative.
     fields = [next((str(p) for p in e.get("loc", ()) if p != "body"), None) for e in errors]
     param = fields[0]

@@ -9,7 +9,9 @@ from typing import TypeVar
 
 from conveyor.engine.async_engine import EngineClient
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.structured import KINDS as STRUCTURED_KINDS, StructuredOutputsParams
 from conveyor.server.errors import APIError, bad_request
+from conveyor.server.tools import ToolPlan, render_messages
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 MAX_N = 16
@@ -103,10 +105,12 @@ def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[
     return out
 
 
-def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True) -> Prompt:
-    tok, dicts = client.tokenizer, message_dicts(messages)
+def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                tools: ToolPlan | None = None) -> Prompt:
+    tok = client.tokenizer
+    dicts, template_tools = render_messages(message_dicts(messages), tok.chat_template or "", tools)
     try:
-        text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=template_tools)
     except Exception as e:   # noqa: BLE001 - a template raising on these messages is a bad request
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
     check_text_size(client, len(text), "messages")
@@ -135,9 +139,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
     def given(value, default):
         return default if value is None else value
 
+    structured = structured_outputs(req)
     try:
         return SamplingParams(
-            n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
+            structured_outputs=structured, n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
             top_k=given(req.top_k, 0), min_p=given(req.min_p, 0.0), seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, presence_penalty=given(req.presence_penalty, 0.0),
             frequency_penalty=given(req.frequency_penalty, 0.0),
@@ -154,6 +159,45 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
         raise bad_request(message, api_name if api_name in type(req).model_fields else None) from e
 
 
+def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field gave it (at most one may)."""
+    found: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise bad_request("response_format json_schema needs json_schema.schema (an object)",
+                                  "response_format")
+            found.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                              "response_format")
+    if req.structured_outputs is not None:
+        unknown = sorted(set(req.structured_outputs) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise bad_request(f"unsupported structured_outputs field(s) {', '.join(unknown)}; the supported ones "
+                              f"are {', '.join(STRUCTURED_KINDS)}", "structured_outputs")
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, {kind: getattr(req, name)}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {len(found)} ({', '.join(n for n, _ in found)})",
+                          found[1][0])
+    name, spec = found[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise bad_request(str(e), name) from e
+
+
 def completion_sampling(req: CompletionRequest) -> SamplingParams:
     check_common(req)
     if req.echo:
@@ -163,12 +207,13 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
     return sampling_params(req, req.max_tokens, "max_tokens", req.logprobs)
 
 
-def chat_sampling(req: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> SamplingParams:
     check_common(req)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format type 'text' is supported", "response_format")
+    if tools is not None and tools.constraint is not None:
+        if structured_outputs(req) is not None:
+            raise bad_request(f"tool_choice {tools.choice!r} constrains the output; it cannot be combined with "
+                              "another output constraint", "tool_choice")
+        req = req.model_copy(update={"structured_outputs": {"grammar": tools.constraint.grammar}})
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     if req.max_completion_tokens is not None:
@@ -192,7 +237,7 @@ def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams,
     try:
         client.validate(prompt.token_ids, params)
     except ValueError as e:
-        raise bad_request(str(e), prompt_param) from e
+        raise bad_request(str(e), None if str(e).startswith("structured_outputs") else prompt_param) from e
     if params.max_tokens is None:
         params = params.clone()
         params.max_tokens = limit - n

@@ -25,52 +25,59 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineStatsCollector(Collector):
-    """Gauges and counters read from the engine's stats at scrape time."""
+    """Gauges and counters read from the engines' stats at scrape time, one series per replica
+    (label ``replica``; a single engine is replica "0"): sum over it for the server's totals."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
-        self.stats = stats
+    def __init__(self, replicas: Callable[[], list[tuple[dict[str, Any], bool]]], model_name: str):
+        self.replicas = replicas
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s, m = self.stats(), [self.model_name]
+        replicas = [(s, up, [self.model_name, str(i)]) for i, (s, up) in enumerate(self.replicas())]
+        labels = ["model_name", "replica"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"conveyor:{name}", doc, labels=["model_name"])
-            g.add_metric(m, value)
+        def gauge(name: str, doc: str, key: Callable[[dict[str, Any], bool], float]) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"conveyor:{name}", doc, labels=labels)
+            for s, up, m in replicas:
+                g.add_metric(m, key(s, up))
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"conveyor:{name}", doc, labels=["model_name"])
-            c.add_metric(m, value)
+        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"conveyor:{name}", doc, labels=labels)
+            for s, _, m in replicas:
+                c.add_metric(m, s[key])
             return c
 
-        yield gauge("num_requests_running", "Sequences in the running batch.", s["num_running"])
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s["num_waiting"])
-        yield gauge("num_requests_swapped", "Sequences swapped out to host memory.", s["num_swapped"])
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s["kv_usage"])
-        yield counter("prefix_cache_queries", "Prompt KV blocks looked up in the prefix cache.",
-                      s["prefix_cache_queries"])
-        yield counter("prefix_cache_hits", "Prompt KV blocks found in the prefix cache.", s["prefix_cache_hits"])
+        yield gauge("num_requests_running", "Sequences in the running batch.", lambda s, _: s["num_running"])
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", lambda s, _: s["num_waiting"])
+        yield gauge("num_requests_swapped", "Sequences swapped out to host memory.", lambda s, _: s["num_swapped"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", lambda s, _: s["kv_usage"])
+        yield counter("prefix_cache_queries", "Prompt KV blocks looked up in the prefix cache.", "prefix_cache_queries")
+        yield counter("prefix_cache_hits", "Prompt KV blocks found in the prefix cache.", "prefix_cache_hits")
         yield counter("prompt_tokens", "Prefill tokens computed (recomputation included, cache hits not).",
-                      s["prompt_tokens_total"])
-        yield counter("generation_tokens", "Tokens generated.", s["generation_tokens_total"])
+                      "prompt_tokens_total")
+        yield counter("generation_tokens", "Tokens generated.", "generation_tokens_total")
         yield counter("engine_step_failures", "Engine steps whose forward pass, sampling or swap copy raised "
-                      "(their requests failed, the engine went on).", s["step_failures"])
+                      "(their requests failed, the engine went on).", "step_failures")
         yield gauge("engine_dead", "1 once the engine stopped serving (repeated step failures).",
-                    float(s["engine_dead"]))
+                    lambda s, _: float(s["engine_dead"]))
+        yield gauge("replica_up", "1 while the engine replica serves (0: stopped, died or shutting down).",
+                    lambda _, up: float(up))
         pre = CounterMetricFamily("conveyor:num_preemptions", "Preemptions, by how the KV was given back.",
-                                  labels=["model_name", "mode"])
-        pre.add_metric(m + ["swap"], s["num_swaps_out"])
-        pre.add_metric(m + ["recompute"], s["num_recomputes"])
+                                  labels=labels + ["mode"])
+        for s, _, m in replicas:
+            pre.add_metric(m + ["swap"], s["num_swaps_out"])
+            pre.add_metric(m + ["recompute"], s["num_recomputes"])
         yield pre
 
 
 class ServerMetrics:
     """One CollectorRegistry per app (never the global one), so several servers can share a process."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
+    def __init__(self, replicas: Callable[[], list[tuple[dict[str, Any], bool]]], model_name: str):
+        """`replicas`: per engine replica, (its stats, whether it serves)."""
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(replicas, model_name))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:

@@ -9,15 +9,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do; unsupported known ones are
-    # declared below and rejected explicitly.
-    model_config = ConfigDict(extra="ignore")
+    # A field this server does not know is a 400 naming it: vLLM's guided_json, OpenAI's
+    # response_format, ... silently ignored would make a client believe a constraint held.
+    # Fields that cannot change the output (user, metadata, store, service_tier) are declared
+    # and ignored; declared-but-unsupported ones are rejected with their own message.
+    model_config = ConfigDict(extra="forbid")
 
 
 # ---- requests -------------------------------------------------------------------------------
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None   # padding against side channels: none is sent either way
 
 
 class SamplingFields(_Body):
@@ -42,9 +45,19 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None     # OpenAI bookkeeping fields: no effect on the output
+    store: bool | None = None
+    service_tier: str | None = None
     priority: int = 0                      # extension: lower runs first
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -69,7 +82,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True     # extension, as in vLLM
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):
@@ -140,6 +154,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -162,6 +177,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

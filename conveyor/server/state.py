@@ -15,6 +15,7 @@ class ServerState:
     client: EngineClient
     served_model_names: list[str]
     metrics: ServerMetrics
+    tool_call_parser: str = "hermes"
     texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:

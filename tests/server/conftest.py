@@ -58,16 +58,8 @@ class ServerHandle:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
                                   timeout=120, **kw)
 
-    def metrics(self) -> dict[str, float]:
-        """Samples of /metrics as {name{labels}: value}, parsed with prometheus_client's parser."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out = {}
-        for family in text_string_to_metric_families(self.http.get("/metrics").text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+    def metrics(self, by_replica: bool = False) -> dict[str, float]:
+        return scrape_metrics(self.http, by_replica)
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -84,6 +76,21 @@ class ServerHandle:
         self.server.should_exit = True
         self.thread.join(timeout=60)
         assert not self.thread.is_alive()
+
+
+def scrape_metrics(http: httpx.Client, by_replica: bool = False) -> dict[str, float]:
+    """Samples of /metrics as {name{labels}: value}, parsed with prometheus_client's parser; the
+    per-replica series summed over replicas unless `by_replica`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    drop = {"model_name"} if by_replica else {"model_name", "replica"}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in drop)
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def start_server(loaded: LoadedModel, *, num_kv_blocks: int = 256, max_num_seqs: int = 32,

@@ -1,0 +1,241 @@
+"""Data parallelism: N engine replicas (processes, each with its own KV cache) behind one server.
+
+``DataParallelEngine`` is an ``EngineClient`` like the single-engine ones: the HTTP layer does not
+know it talks to several engines. Each request goes to one replica, chosen by a ``Router``:
+
+- ``round-robin``: the next live replica in turn;
+- ``least-load``: the live replica with the fewest unfinished requests (KV usage breaks ties);
+- ``prefix`` (default): the replica that last served the longest matching prompt prefix (hashes of
+  the first 1..``prefix_blocks`` KV blocks of token ids, so requests sharing a system prompt or a
+  few-shot preamble meet their cached blocks), unless it has ``balance_slack`` more unfinished
+  requests than the least loaded live replica — then least-load, and the prefix moves there.
+
+A replica whose process dies fails its own in-flight requests with a clear error (not retried:
+a partly streamed answer cannot be replayed invisibly); the router stops sending it requests,
+/health reports it down, and the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any, Callable
+
+from conveyor.config import EngineConfig
+from conveyor.engine.async_engine import Overloaded, RequestStream
+from conveyor.engine.core import EngineDeadError
+from conveyor.engine.outputs import RequestOutput
+from conveyor.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ROUTERS = ("prefix", "least-load", "round-robin")
+
+
+class Router:
+    """Picks a replica for a prompt from the replicas' current loads (None = the replica is down)."""
+
+    def __init__(self, policy: str = "prefix", block_size: int = 16, prefix_blocks: int = 4,
+                 balance_slack: int = 8, max_prefixes: int = 100_000):
+        if policy not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {policy!r}")
+        self.policy = policy
+        self.block_size = block_size
+        self.prefix_blocks = prefix_blocks
+        self.balance_slack = balance_slack
+        self.max_prefixes = max_prefixes
+        self._next = 0
+        self._owner: OrderedDict[int, int] = OrderedDict()   # prefix hash -> replica (LRU)
+        self.prefix_routed = 0    # requests sent where their prefix was seen before
+
+    def choose(self, token_ids: list[int], loads: list[float | None]) -> int:
+        live = [i for i, load in enumerate(loads) if load is not None]
+        if not live:
+            raise EngineDeadError("every engine replica is down")
+        if self.policy == "round-robin":
+            n = len(loads)
+            for k in range(n):
+                i = (self._next + k) % n
+                if loads[i] is not None:
+                    self._next = i + 1
+                    return i
+        least = min(live, key=lambda i: (loads[i], i))
+        if self.policy == "least-load":
+            return least
+        keys = self._prefix_keys(token_ids)
+        choice = least
+        for key in reversed(keys):   # the longest prefix seen before wins
+            owner = self._owner.get(key)
+            if owner is not None and loads[owner] is not None:
+                if loads[owner] - loads[least] <= self.balance_slack:
+                    choice = owner
+                    self.prefix_routed += 1
+                break
+        for key in keys:
+            self._owner[key] = choice
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.max_prefixes:
+            self._owner.popitem(last=False)
+        return choice
+
+    def _prefix_keys(self, token_ids: list[int]) -> list[int]:
+        """Hashes of the first 1..prefix_blocks full blocks (none for a prompt under one block)."""
+        b = self.block_size
+        full = min(self.prefix_blocks, len(token_ids) // b)
+        return [hash(tuple(token_ids[:k * b])) for k in range(1, full + 1)]
+
+
+class DataParallelEngine:
+    """N ProcessEngine replicas behind the EngineClient protocol; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, replicas: int, router: str = "prefix",
+                 max_waiting: int | None = None, balance_slack: int = 8):
+        from conveyor.engine.process_engine import ProcessEngine
+
+        if replicas < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {replicas}")
+        threads = config.torch_threads or max(1, (os.cpu_count() or 1) // (replicas * config.tensor_parallel_size))
+        config = replace(config, torch_threads=threads)
+        per_replica_waiting = None if max_waiting is None else max(1, math.ceil(max_waiting / replicas))
+        with ThreadPoolExecutor(replicas) as pool:   # replicas load their models at the same time
+            futures = [pool.submit(ProcessEngine, config, per_replica_waiting) for _ in range(replicas)]
+            errors = [f.exception() for f in futures]
+        started = [f.result() for f, e in zip(futures, errors) if e is None]
+        if any(errors):
+            for r in started:
+                r.close()
+            raise next(e for e in errors if e is not None)
+        self.replicas = started
+        first = started[0]
+        self.model_name, self.max_model_len, self.tokenizer = first.model_name, first.max_model_len, first.tokenizer
+        self.dtype = first.dtype
+        self.router = Router(router, config.block_size, balance_slack=balance_slack)
+        self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}   # request id -> replica, while unfinished
+        for i, r in enumerate(started):
+            r.add_finished_listener(self._forget)
+        self._reported_down: set[int] = set()
+
+    # ---- EngineClient ------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.replicas[0].validate(prompt_token_ids, params)
+
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                    priority: int = 0) -> RequestStream:
+        ids = self._token_ids(prompt)
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            loads = self.loads()
+            order = [self.router.choose(ids, loads)]
+            order += sorted((i for i, load in enumerate(loads) if load is not None and i != order[0]),
+                            key=lambda i: loads[i])
+            last: Exception | None = None
+            for i in order:   # the router's choice; if it is full, the least loaded others
+                try:
+                    stream = self.replicas[i].add_request(prompt, params, request_id, priority)
+                except (Overloaded, EngineDeadError) as e:
+                    last = e
+                    continue
+                self._owner[request_id] = i
+                return stream
+            raise last if last is not None else EngineDeadError("every engine replica is down")
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            i = self._owner.get(request_id)
+        if i is not None:
+            self.replicas[i].abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        """The replicas' stats summed (kv_usage: the mean; engine_dead: all of them dead)."""
+        return aggregate_stats(self.replica_stats())
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        return [r.stats() for r in self.replicas]
+
+    def replica_health(self) -> list[bool]:
+        health = [r.is_healthy for r in self.replicas]
+        for i, ok in enumerate(health):
+            if not ok and i not in self._reported_down and self.replicas[i].dead_reason is not None:
+                self._reported_down.add(i)
+                logger.error("engine replica %d is down: %s", i, self.replicas[i].dead_reason)
+        return health
+
+    def loads(self) -> list[float | None]:
+        """Per replica: unfinished requests (+ KV usage as a tie-break), or None when it is down."""
+        out: list[float | None] = []
+        for ok, s in zip(self.replica_health(), self.replica_stats()):
+            out.append(s["num_unfinished_requests"] + 0.5 * s["kv_usage"] if ok else None)
+        return out
+
+    def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
+        for r in self.replicas:
+            r.add_finished_listener(listener)
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while at least one replica serves."""
+        return any(self.replica_health())
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self.is_healthy:
+            return None
+        reasons = [r.dead_reason for r in self.replicas]
+        if all(reason is None for reason in reasons):
+            return None   # a clean shutdown
+        return "; ".join(f"replica {i}: {reason or 'stopped'}" for i, reason in enumerate(reasons))
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
+
+    def close(self, timeout: float = 0.0) -> None:
+        for r in self.replicas:
+            r.close(timeout)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _forget(self, out: RequestOutput) -> None:
+        with self._lock:
+            self._owner.pop(out.request_id, None)
+
+    def _token_ids(self, prompt: str | list[int] | dict) -> list[int]:
+        """The prompt's token ids for routing (the server already tokenized; offline text is encoded here)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                return list(ids) if isinstance(ids, (list, tuple)) else []
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt) if isinstance(prompt, (list, tuple)) else []
+
+
+_MEAN = ("kv_usage", "prefix_cache_hit_rate")
+_MAX = ("last_step_time", "consecutive_step_failures")
+
+
+def aggregate_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in per_replica[0]:
+        values = [s[key] for s in per_replica if key in s]
+        if key == "engine_dead":
+            out[key] = all(values)
+        elif key in _MEAN:
+            out[key] = sum(values) / len(values)
+        elif key in _MAX:
+            out[key] = max(values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = sum(values)
+        else:
+            out[key] = values[0]
+    q, h = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
+    if q is not None and h is not None:
+        out["prefix_cache_hit_rate"] = h / q if q else 0.0
+    return out

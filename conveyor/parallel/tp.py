@@ -1,0 +1,321 @@
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA), Megatron style.
+
+Each rank holds a slice of every layer: whole KV-head groups of attention (q heads with the KV
+head they read; when there are fewer KV heads than ranks, a KV head is replicated and its q
+heads split), a column slice of gate/up and the matching row slice of down_proj, and a vocab
+slice of the LM head. The partial outputs of o_proj and down_proj are summed by an all-reduce;
+the LM head's vocab slices are gathered on rank 0. The embedding (a lookup, no compute) and the
+norms are replicated.
+
+One scheduler, on rank 0 (the driver): each step it broadcasts the plain-data SchedulerOutput
+(``broadcast_object_list``), every rank runs its slice, and rank 0 samples from the gathered
+logits. Sampling stays on the driver because the sampler's state (seeded generators, penalties
+over the output so far) lives beside the scheduler there, and only the driver needs the tokens;
+the price is one gather of ``[rows, vocab]`` logits per step. Each rank holds its heads' slice
+of every KV block; the block tables are the driver's and travel in the plan.
+
+Launch: ``start_group`` spawns ranks 1..N-1 on this machine (a free TCP port on 127.0.0.1), or,
+under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), joins the group that
+torchrun's other processes join with ``run_worker_from_env``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conveyor.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait. Idle ranks wait in a broadcast for the next step, so this is
+# also the longest a server may sit idle; a crashed rank closes its sockets and fails the
+# others' collectives at once, long before this.
+_TIMEOUT = datetime.timedelta(days=365)
+
+
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank's share of n items split as evenly as possible (the first get one more)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def head_ranges(nq: int, nkv: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(q heads, kv heads) of a rank, as [start, stop) ranges; every rank's q heads read only its kv heads."""
+    group = nq // nkv
+    if nkv >= world:   # whole GQA groups, as evenly as possible (9 q / 3 kv heads on 2 ranks: 6+3)
+        kv = split(nkv, world, rank)
+        return (kv[0] * group, kv[1] * group), kv
+    if world % nkv or group % (world // nkv):
+        raise ValueError(f"cannot split {nq} attention heads with {nkv} KV heads over {world} ranks "
+                         f"(with fewer KV heads than ranks, ranks must divide evenly over KV heads and "
+                         f"their q heads)")
+    per_kv = world // nkv   # fewer KV heads than ranks: each KV head is replicated on per_kv ranks
+    kv, part = divmod(rank, per_kv)
+    q0 = kv * group + part * (group // per_kv)
+    return (q0, q0 + group // per_kv), (kv, kv + 1)
+
+
+@dataclass(slots=True, frozen=True)
+class Shard:
+    """What rank `rank` of `world` holds."""
+
+    rank: int
+    world: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab_size: int          # the full vocabulary
+    vocab_shard: int         # LM-head rows per rank (the last rank's are zero-padded)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int, world: int) -> Shard:
+        if world > cfg.num_attention_heads:
+            raise ValueError(f"tensor_parallel_size {world} exceeds the model's {cfg.num_attention_heads} "
+                             f"attention heads")
+        q, kv = head_ranges(cfg.num_attention_heads, cfg.num_key_value_heads, world, rank)
+        return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank), cfg.vocab_size,
+                   -(-cfg.vocab_size // world))
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config of this rank's slice (its heads and MLP width; the LM head is never tied)."""
+        return dataclasses.replace(cfg, num_attention_heads=self.q_heads[1] - self.q_heads[0],
+                                   num_key_value_heads=self.kv_heads[1] - self.kv_heads[0],
+                                   intermediate_size=self.intermediate[1] - self.intermediate[0],
+                                   tie_word_embeddings=False)
+
+    def shard_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-named weights of the full model -> this rank's slices, still HF-named."""
+        hd = cfg.head_dim
+        q = slice(self.q_heads[0] * hd, self.q_heads[1] * hd)
+        kv = slice(self.kv_heads[0] * hd, self.kv_heads[1] * hd)
+        inter = slice(*self.intermediate)
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
+        cols = {"o_proj": q, "down_proj": inter}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in weights.items():
+            parts = name.split(".")
+            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+            if module in rows:
+                out[name] = t[rows[module]]
+            elif module in cols and kind == "weight":
+                out[name] = t[:, cols[module]]
+            elif module in cols:   # a bias added after the all-reduce: once, on rank 0
+                out[name] = t if self.rank == 0 else torch.zeros_like(t)
+            elif name.removeprefix("model.") == "lm_head.weight":
+                continue
+            else:
+                out[name] = t
+        head = weights.get("lm_head.weight")
+        if head is None or cfg.tie_word_embeddings:
+            head = weights.get("model.embed_tokens.weight", weights.get("embed_tokens.weight"))
+        start = self.rank * self.vocab_shard
+        piece = head[start:start + self.vocab_shard]
+        if piece.shape[0] < self.vocab_shard:
+            piece = torch.cat([piece, piece.new_zeros(self.vocab_shard - piece.shape[0], piece.shape[1])])
+        out["lm_head.weight"] = piece
+        return out
+
+
+class TPGroup:
+    """This process's place in the tensor-parallel group, and the model's two collectives."""
+
+    def __init__(self, shard_rank: int, world: int):
+        self.rank = shard_rank
+        self.world = world
+        self.vocab_size = 0        # set by the model that uses it (the gather trims the padding)
+        self.processes: list[Any] = []
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum the ranks' partial outputs in place."""
+        if x.dtype == torch.bfloat16 and dist.get_backend() == "gloo":
+            y = x.float()   # gloo sums fp32 (its bf16 support depends on the build)
+            dist.all_reduce(y)
+            x.copy_(y)
+        else:
+            dist.all_reduce(x)
+
+    def gather_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The full ``[rows, vocab]`` logits on rank 0 (other ranks get their own slice back)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, :self.vocab_size] if parts is not None else x
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self, timeout: float = 10.0) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# ---- launching -------------------------------------------------------------------------------
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_group(world: int, device: str) -> TPGroup:
+    """Rank 0's side: spawn ranks 1..world-1 here (or join torchrun's group) and connect."""
+    if launched_by_torchrun():
+        env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if env_world != world or rank != 0:
+            raise ValueError(f"under torchrun the engine runs on rank 0 of a group of tensor_parallel_size "
+                             f"ranks; got RANK={rank}, WORLD_SIZE={env_world}, tensor_parallel_size={world}")
+        dist.init_process_group(_backend(device), init_method="env://", rank=0, world_size=world, timeout=_TIMEOUT)
+        return TPGroup(0, world)
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")   # torch's thread pools do not survive a fork
+    procs = [ctx.Process(target=_spawned_worker,
+                         args=(r, world, init, device, logging.getLogger().getEffectiveLevel()),
+                         name=f"conveyor-tp{r}", daemon=True) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    try:
+        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world, timeout=_TIMEOUT)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    group = TPGroup(0, world)
+    group.processes = procs
+    return group
+
+
+@dataclass(slots=True)
+class WorkerSetup:
+    """What the driver tells every other rank once the group is up."""
+
+    config: Any            # EngineConfig
+    dtype: str
+    num_blocks: int
+    num_host_blocks: int
+    threads: int
+
+
+def _spawned_worker(rank: int, world: int, init_method: str, device: str, log_level: int) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver decides when the group stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=world,
+                            timeout=_TIMEOUT)
+    _serve_steps(TPGroup(rank, world))
+
+
+def run_worker_from_env(device: str = "cpu") -> int:
+    """A torchrun rank > 0 (`device`: the engine's): join the group and run steps until the driver stops."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
+    _serve_steps(TPGroup(rank, world))
+    return 0
+
+
+def _serve_steps(group: TPGroup) -> None:
+    """Every rank but 0: build its slice, then run what the driver broadcasts until it says stop."""
+    from conveyor.model.loader import load_model
+    from conveyor.runner.model_runner import ModelRunner
+
+    try:
+        setup: WorkerSetup = group.broadcast(None)
+        if setup is None:
+            return
+        torch.set_num_threads(setup.threads)
+        cfg = setup.config
+        device = cfg.device
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", group.rank)))
+            device = f"cuda:{torch.cuda.current_device()}"
+        model = load_model(cfg.model, device, getattr(torch, setup.dtype), tp=group).model
+        runner = ModelRunner(model, setup.num_blocks, cfg.block_size, setup.num_host_blocks, device,
+                             getattr(torch, setup.dtype), sample=False)
+        group.broadcast(None)   # loaded (the driver waits for every rank before its first step)
+        while True:
+            cmd = group.broadcast(None)
+            if cmd[0] == "step":
+                runner.forward(cmd[1])
+            elif cmd[0] == "swap":
+                runner.swap(cmd[1], cmd[2])
+            else:
+                break
+    except Exception:   # noqa: BLE001 - exiting closes the sockets: the driver's collective fails at once
+        logger.exception("tensor-parallel rank %d failed; exiting", group.rank)
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class TPExecutor:
+    """The driver's Executor: broadcast the plan, run rank 0's slice, sample from the gathered logits.
+
+    A collective cannot be resumed half-way: if anything fails after a plan was broadcast, the
+    group is broken and every later step fails at once (the engine then gives up after its
+    ``max_consecutive_step_failures``).
+    """
+
+    def __init__(self, runner, group: TPGroup):
+        self.runner = runner
+        self.group = group
+        self.broken: str | None = None
+
+    def __getattr__(self, name: str) -> Any:   # record_logits, kv, ... (tests and stats read the runner's)
+        return getattr(self.runner, name)
+
+    def _run(self, command: tuple, local) -> Any:
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
+        try:
+            self.group.broadcast(command)
+            return local()
+        except Exception as e:
+            self.broken = f"{type(e).__name__}: {e}"
+            for p in self.group.processes:
+                p.kill()
+            raise RuntimeError(f"a tensor-parallel step failed, the group is stopped: {self.broken}") from e
+
+    def execute(self, plan):
+        return self._run(("step", plan), lambda: self.runner.execute(plan))
+
+    def swap(self, swap_out, swap_in) -> None:
+        self._run(("swap", swap_out, swap_in), lambda: self.runner.swap(swap_out, swap_in))
+
+    def close(self) -> None:
+        if self.broken is None and dist.is_initialized():
+            try:
+                self.group.broadcast(("stop",))
+            except Exception:   # noqa: BLE001 - a rank already gone
+                pass
+        self.group.close()

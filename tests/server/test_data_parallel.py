@@ -1,0 +1,158 @@
+"""Data parallelism: two engine replicas behind one server. Every request answered once with the
+single engine's output; the prefix router keeps a shared prefix on one replica (its cache hits on
+/metrics, per replica); a replica killed mid-run fails only its own requests and is reported down.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import uvicorn
+
+from conveyor.config import EngineConfig
+from conveyor.engine.core import EngineDeadError
+from conveyor.engine.data_parallel import DataParallelEngine, Router, aggregate_stats
+from conveyor.engine.engine import Engine
+from conveyor.sampling.params import SamplingParams
+from conveyor.server.app import build_app
+
+from conftest import ServerHandle, free_port
+
+
+def test_prefix_router_keeps_a_prefix_on_its_replica_unless_much_busier():
+    r = Router("prefix", block_size=4, prefix_blocks=2, balance_slack=2)
+    shared = list(range(8))
+    first = r.choose(shared + [100], [0, 0])
+    assert r.choose(shared + [200], [1, 0] if first == 0 else [0, 1]) == first   # busier by 1: stays
+    assert r.choose(shared + [300], [5, 0] if first == 0 else [0, 5]) != first   # busier by 5: moves
+    assert r.choose([1, 2], [3, 0]) == 1 and r.choose([1, 2], [0, 3]) == 0       # short prompt: least load
+    assert r.choose(shared[:4] + [9, 9, 9, 9], [0, 0]) == r.choose(shared[:4] + [7, 7, 7, 7], [0, 0])
+
+
+def test_round_robin_and_least_load_skip_dead_replicas():
+    rr = Router("round-robin")
+    assert [rr.choose([], [0, None, 0]) for _ in range(4)] == [0, 2, 0, 2]
+    assert Router("least-load").choose([], [4, 1, None]) == 1
+    with pytest.raises(EngineDeadError):
+        Router("least-load").choose([], [None, None])
+    with pytest.raises(ValueError):
+        Router("random")
+
+
+def test_stats_sum_over_replicas():
+    a = dict(num_running=2, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=5, engine_dead=False,
+             last_step_time=0.1, prefix_cache_hit_rate=0.5)
+    b = dict(num_running=1, kv_usage=0.0, prefix_cache_queries=10, prefix_cache_hits=0, engine_dead=True,
+             last_step_time=0.3, prefix_cache_hit_rate=0.0)
+    s = aggregate_stats([a, b])
+    assert s == dict(num_running=3, kv_usage=0.25, prefix_cache_queries=20, prefix_cache_hits=5,
+                     engine_dead=False, last_step_time=0.3, prefix_cache_hit_rate=0.25)
+
+
+CONFIG = EngineConfig.from_options(dtype="float32", num_kv_blocks=128, max_num_seqs=8, cost_model="none")
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dp_server():
+    engine = DataParallelEngine(CONFIG, 2, "prefix", balance_slack=64)
+    app = build_app(engine, log_interval=0, shutdown_timeout=5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    handle = ServerHandle(port, engine, server, thread)
+    yield handle
+    handle.stop()
+    engine.close()
+
+
+def offline_texts(demo_model, prompts: list[str]) -> list[str]:
+    engine = Engine(CONFIG, loaded=demo_model)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    texts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = out.outputs[0].text
+    return [texts[i] for i in ids]
+
+
+@pytest.mark.slow
+def test_every_request_answered_once_with_the_single_engine_output(dp_server, demo_model):
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(12)]
+    client = dp_server.openai()
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(lambda p: client.completions.create(
+            model=dp_server.engine.model_name, prompt=p, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True}), prompts))
+    assert [r.choices[0].text for r in got] == offline_texts(demo_model, prompts)
+    assert len({r.id for r in got}) == len(prompts)
+    dp_server.wait_idle()
+    per = dp_server.metrics(by_replica=True)
+    assert per["conveyor:generation_tokens_total{replica=0}"] > 0       # both replicas served
+    assert per["conveyor:generation_tokens_total{replica=1}"] > 0
+    assert dp_server.metrics()["conveyor:generation_tokens_total"] == 12 * 12   # each answered exactly once
+    assert dp_server.http.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_prefix_router_sends_a_shared_prefix_to_one_replica(dp_server):
+    before = dp_server.metrics(by_replica=True)
+    preamble = "You are a careful assistant who answers in one line. Here are the house rules. " * 4
+    client = dp_server.openai()
+    for q in ("Name a color.", "Name a fruit.", "Name a tree.", "Name a river.", "Name a bird."):
+        client.completions.create(model=dp_server.engine.model_name, prompt=preamble + q, max_tokens=2)
+    after = dp_server.metrics(by_replica=True)
+
+    def delta(key: str) -> float:
+        return after[key] - before.get(key, 0.0)
+
+    hits = [delta(f"conveyor:prefix_cache_hits_total{{replica={i}}}") for i in (0, 1)]
+    queries = [delta(f"conveyor:prefix_cache_queries_total{{replica={i}}}") for i in (0, 1)]
+    assert min(queries) == 0                  # all five went to one replica...
+    assert max(hits) >= 4 * 4                 # ...and four of them found the preamble's blocks cached
+    assert sum(hits) / sum(queries) > 0.6
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_only_its_requests_and_is_reported_down(dp_server):
+    engine: DataParallelEngine = dp_server.engine
+    client = dp_server.openai()
+    model = engine.model_name
+    long = dict(model=model, max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+
+    def run(prompt: str):
+        try:
+            return "ok", client.completions.create(prompt=prompt, **long).choices[0].finish_reason
+        except Exception as e:   # noqa: BLE001
+            return "error", str(e)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(run, f"Story number {i}: once upon a time") for i in range(4)]
+        deadline = time.monotonic() + 30
+        while min(s["num_running"] for s in engine.replica_stats()) == 0:   # both replicas busy
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        victim = engine.replicas[1]
+        os.kill(victim._proc.pid, 9)
+        results = [f.result(timeout=120) for f in futures]
+    assert sorted(kind for kind, _ in results) == ["error", "error", "ok", "ok"]
+    assert all("engine process exited unexpectedly" in msg for kind, msg in results if kind == "error")
+    health = dp_server.http.get("/health")
+    assert health.status_code == 200 and health.json() == {
+        "status": "degraded", "replicas": [{"replica": 0, "up": True}, {"replica": 1, "up": False}]}
+    per = dp_server.metrics(by_replica=True)
+    assert per["conveyor:replica_up{replica=0}"] == 1 and per["conveyor:replica_up{replica=1}"] == 0
+    for i in range(3):   # the survivor takes everything now
+        r = client.completions.create(model=model, prompt=f"After the crash {i}", max_tokens=3)
+        assert r.choices[0].finish_reason == "length"
