@@ -69,11 +69,15 @@ class Request:
     arrival_seq: int = 0                  # FCFS tie-break, kept across preemptions
     resumed_step: int = -1                # step at which it last (re)entered RUNNING
     grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
+    prompt_logprobs: list | None = None   # params.prompt_logprobs: one entry per prompt token so far
+    pooled: Any = None                    # params.pooling: running sum (mean) or the last hidden state
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]   # the first prompt token has no logprob
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,6 +49,8 @@ class SeqUpdate:
     stop_reason: int | str | None
     error: str | None
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None   # with the first token: the prompt's logprobs (first entry None)
+    embedding: list[float] | None = None  # an embedding request's result (it finishes with it)
 
 
 @dataclass(slots=True)
@@ -56,6 +58,12 @@ class CoreStats:
     step_failures: int = 0             # steps whose executor raised
     consecutive_step_failures: int = 0
     last_step_time: float = 0.0        # seconds in the latest step()
+
+
+def embed(request: Request) -> list[float]:
+    """The L2-normalised embedding of a finished embedding request."""
+    v = request.pooled / request.num_prompt_tokens if request.params.pooling == "mean" else request.pooled
+    return (v / v.norm().clamp_min(1e-12)).tolist()
 
 
 class EngineCore:
@@ -149,13 +157,33 @@ class EngineCore:
             except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
                 return self._step_failed("the forward pass or sampling failed", e, scheduled)
         self.stats.consecutive_step_failures = 0
+        if model_out.prompt_logprobs:
+            for rid, entries in model_out.prompt_logprobs.items():
+                request = self.scheduler.requests.get(rid)
+                if request is not None and request.prompt_logprobs is not None:
+                    request.prompt_logprobs.extend(entries)
+        embedding = self._pool(model_out.pooled) if model_out.pooled else []
         try:
             touched = self.scheduler.update(plan, model_out)
         except Exception as e:   # noqa: BLE001
             return self._die("the scheduler's update failed", e)
         if self.grammars is not None:
             self._advance_grammars(touched)
-        return self._updates(plan, model_out, touched)
+        return self._updates(plan, model_out, touched) + [
+            SeqUpdate(r.request_id, None, None, r.finish_reason, None, None, r.metrics,
+                      embedding=embed(r)) for r in embedding if r.is_finished]
+
+    def _pool(self, pooled: dict) -> list[Request]:
+        """Add a step's pooled hidden states to their requests; returns those requests."""
+        out = []
+        for rid, value in pooled.items():
+            request = self.scheduler.requests.get(rid)
+            if request is None:
+                continue
+            mean = request.params.pooling == "mean"
+            request.pooled = value if request.pooled is None or not mean else request.pooled + value
+            out.append(request)
+        return out
 
     def _grammar_masks(self, plan: SchedulerOutput) -> None:
         """Allowed-token bitmasks of the constrained sequences that sample this step, in one parallel call."""
@@ -189,7 +217,8 @@ class EngineCore:
             sampled = (s.request_id for s in plan.scheduled if s.sampling is not None)
             logprobs = dict(zip(sampled, model_out.logprobs))
         return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id),
-                          r.finish_reason, r.stop_reason, None, r.metrics) for r in touched]
+                          r.finish_reason, r.stop_reason, None, r.metrics,
+                          r.prompt_logprobs if r.num_output_tokens == 1 else None) for r in touched]
 
     def _step_failed(self, what: str, error: Exception, request_ids: list[str]) -> list[SeqUpdate]:
         s = self.stats

@@ -110,6 +110,14 @@ class LLM:
             self.engine.save_trace()
         return [done[i] for i in ids if i in done]
 
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling: str = "mean",
+              use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Embeddings of the prompts (``output.embedding``, L2-normalised), batched through the engine
+        like generation: the final hidden states pooled by "mean" over the prompt or its "last" token."""
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be mean or last, got {pooling!r}")
+        return self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling), use_tqdm=use_tqdm)
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (they also stop when this process exits)."""
         self.engine.close()

@@ -64,6 +64,8 @@ class _Group:
     params: SamplingParams | None
     seqs: list[_Seq]
     error: str | None = None
+    prompt_logprobs: list | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -136,6 +138,10 @@ class OutputProcessor:
 
     def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
         seq.metrics = u.metrics
+        if u.prompt_logprobs is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = list(u.prompt_logprobs)
+        if u.embedding is not None:
+            group.embedding = u.embedding
         if u.error is not None:
             self._fail(group, u.error, commands)
             return
@@ -191,7 +197,8 @@ class OutputProcessor:
                 else None, s.finish_reason, s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:]))
             s.sent_text, s.sent_tokens = shown, len(s.token_ids)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
-                             [s.metrics for s in group.seqs])
+                             [s.metrics for s in group.seqs], prompt_logprobs=group.prompt_logprobs,
+                             embedding=group.embedding)
 
 
 def error_output(request_id: str, message: str, prompt: str | None = None,

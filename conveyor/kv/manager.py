@@ -116,8 +116,9 @@ class KVCacheManager:
         At least one token is always left to compute (its logits are needed), so a fully
         cached sequence gives up its last full block.
         """
-        if not self.pool.enable_caching:
-            return []
+        p = request.params
+        if not self.pool.enable_caching or p.prompt_logprobs is not None or p.pooling == "mean":
+            return []   # prompt logprobs and mean pooling need every prompt token computed, not cached
         hashes = self._block_hashes(request, request.num_tokens - 1)
         found = []
         for h in hashes:

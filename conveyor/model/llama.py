@@ -167,19 +167,29 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor | None = None):
+        """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only;
+        with `hidden_indices`, also the final (normed) hidden states of those rows: (logits, hidden)."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer.forward(x, residual, positions, self.rope, kv, meta)
-        x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
+        rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
+        x = x[rows] if residual is None else x[rows] + residual[rows]
         x = self.norm.forward(x)
-        if self.packed_lm_head is not None:
-            logits = packed_linear(x, self.packed_lm_head, None)
+        n = logits_indices.numel()
+        if n == 0:   # a step of embedding requests only: no logits (and no collective, on any rank)
+            logits = x.new_empty((0, self.cfg.vocab_size))
         else:
-            logits = F.linear(x, self.lm_head_weight())
-        return logits if self.tp is None else self.tp.gather_logits(logits)
+            head = x[:n] if hidden_indices is not None else x
+            if self.packed_lm_head is not None:
+                logits = packed_linear(head, self.packed_lm_head, None)
+            else:
+                logits = F.linear(head, self.lm_head_weight())
+            if self.tp is not None:
+                logits = self.tp.gather_logits(logits)
+        return logits if hidden_indices is None else (logits, x[n:])
 
     def pack_linears(self) -> None:
         """Move every matmul weight (the LM head too) into oneDNN's prepacked layout (CPU; see linear.py)."""

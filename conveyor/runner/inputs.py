@@ -34,6 +34,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     order: list[int]         # order[i] = index in the caller's list of the i-th laid-out sequence
+    starts: list[int]        # starts[i] = flattened index of the caller's i-th sequence's first token
     sample_order: list[int]  # caller indices of the sequences whose logits rows are returned, in row order
 
 
@@ -82,8 +83,16 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
         meta=meta,
         logits_indices=torch.from_numpy(np.asarray(logits_idx, dtype=np.int64)).to(device),
         order=order,
+        starts=_caller_starts(order, starts),
         sample_order=[order[r] for r in sample_rows],
     )
+
+
+def _caller_starts(order: list[int], starts: np.ndarray) -> list[int]:
+    out = [0] * len(order)
+    for r, i in enumerate(order):
+        out[i] = int(starts[r])
+    return out
 
 
 def _decode_groups(ctx: np.ndarray, tables: np.ndarray, start: int, block_size: int,

@@ -13,6 +13,49 @@ from conveyor.sampling.structured import apply_bitmask
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 
 
+def pooled_rows(s, start: int) -> list[int]:
+    """The flattened rows an embedding request pools this step: all of its chunk (mean), or the
+    last one (last: the scheduler marks only the chunk that ends the prompt)."""
+    if s.pooling == "mean":
+        return list(range(start, start + s.num_tokens))
+    return [start + s.num_tokens - 1]
+
+
+def pool_hidden(plan: SchedulerOutput, hidden: torch.Tensor) -> dict:
+    """Per embedding request: the float32 sum of its pooled rows (mean) or its last row (last)."""
+    out, row = {}, 0
+    for s in plan.scheduled:
+        if s.pooling is None:
+            continue
+        n = s.num_tokens if s.pooling == "mean" else 1
+        rows = hidden[row:row + n].float()
+        out[s.request_id] = rows.sum(0) if s.pooling == "mean" else rows[0]
+        row += n
+    return out
+
+
+def prompt_logprobs(plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
+    """Per request: {target token: logprob} plus the top-k alternatives, for each row in order."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    seqs = [s for s in plan.scheduled if s.prompt_targets]
+    targets = torch.tensor([t for s in seqs for t in s.prompt_targets], device=logp.device)
+    chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+    k = max(s.prompt_logprobs for s in seqs)
+    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    out: dict[str, list[dict[int, float]]] = {}
+    row = 0
+    for s in seqs:
+        entries = []
+        for t in s.prompt_targets:
+            entry = dict(zip(top_i[row][:s.prompt_logprobs], top_v[row][:s.prompt_logprobs]))
+            entry[t] = chosen[row]
+            entries.append(entry)
+            row += 1
+        out[s.request_id] = entries
+    return out
+
+
 class ModelRunner:
     """Implements the engine core's ``Executor`` protocol with a real model."""
 
@@ -40,6 +83,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         logits, inputs = self.forward(plan)
+        pooled = None
+        if isinstance(logits, tuple):   # embedding requests: their rows' hidden states come back too
+            logits, hidden = logits
+            pooled = pool_hidden(plan, hidden)
+        prompt = None
+        if inputs.logits_indices.numel() < logits.shape[0]:   # rows for prompt logprobs follow the sampled ones
+            prompt = prompt_logprobs(plan, logits[inputs.logits_indices.numel():])
+            logits = logits[:inputs.logits_indices.numel()]
         # Logit rows follow the model's layout; the sampler and the scheduler use scheduling order.
         row_of = {idx: r for r, idx in enumerate(inputs.sample_order)}
         sampled = [i for i, s in enumerate(plan.scheduled) if s.sampling is not None]
@@ -50,8 +101,10 @@ class ModelRunner:
             apply_bitmask(logits, plan.grammar_rows, plan.grammar_bitmask)
         if self.record_logits:
             self.last_logits = logits
+        if not sampled:
+            return ModelOutput([], None, prompt, pooled)
         result = self.sampler(logits, [plan.scheduled[i].sampling for i in sampled])
-        return ModelOutput(result.token_ids, result.logprobs)
+        return ModelOutput(result.token_ids, result.logprobs, prompt, pooled)
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput):
@@ -59,5 +112,13 @@ class ModelRunner:
         work = [SeqWork(s.token_ids, s.num_computed_tokens, s.block_table, s.sampling is not None)
                 for s in plan.scheduled]
         inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups)
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers,
-                          inputs.logits_indices), inputs
+        indices = inputs.logits_indices
+        extra = [inputs.starts[i] + j for i, s in enumerate(plan.scheduled) if s.prompt_targets
+                 for j in range(len(s.prompt_targets))]
+        if extra:   # prompt logprobs: the logits of the rows whose next token is a prompt token too
+            indices = torch.cat([indices, torch.tensor(extra, dtype=indices.dtype, device=indices.device)])
+        hidden = [r for i, s in enumerate(plan.scheduled) if s.pooling is not None
+                  for r in pooled_rows(s, inputs.starts[i])]
+        hidden_idx = torch.tensor(hidden, dtype=indices.dtype, device=indices.device) if hidden else None
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers, indices,
+                          hidden_idx), inputs

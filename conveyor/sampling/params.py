@@ -56,6 +56,12 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (the first has none) with this many top alternatives each;
+    # such a request does not read the prefix cache (every prompt token's logits are computed).
+    prompt_logprobs: int | None = None
+    # Embedding instead of generation: the prompt's final hidden states pooled ("mean" over its
+    # tokens, or the "last" token's) and L2-normalised; nothing is generated.
+    pooling: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # The output must match this (a JSON schema, a regex, a choice, a grammar): see structured.py.
@@ -114,6 +120,10 @@ class SamplingParams:
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
               f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(self.pooling in (None, "mean", "last"), f"pooling must be mean or last, got {self.pooling!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
+              f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS,
               f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")

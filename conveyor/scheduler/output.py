@@ -32,6 +32,11 @@ class ScheduledSeq:
     num_computed_tokens: int    # tokens already in the cache: the position of token_ids[0]
     block_table: list[int]      # physical blocks covering num_computed_tokens + len(token_ids)
     sampling: SamplingRow | None = None   # set when the chunk reaches the last known token: sample one
+    # Prompt logprobs: the prompt tokens that follow this chunk's first len(prompt_targets)
+    # tokens (their logprobs come from those rows' logits), and how many top alternatives.
+    prompt_targets: list[int] | None = None
+    prompt_logprobs: int = 0
+    pooling: str | None = None      # an embedding request: "mean" pools every row, "last" the prompt's last
 
     @property
     def num_tokens(self) -> int:
@@ -75,3 +80,5 @@ class ModelOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None   # request id -> this chunk's entries
+    pooled: dict[str, Any] | None = None   # request id -> this chunk's summed (mean) or last hidden state

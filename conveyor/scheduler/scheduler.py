@@ -94,7 +94,8 @@ class Scheduler:
         request.finish(status, self.clock(), reason)
         self.requests.pop(request.request_id, None)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.admission.observe(request)
+            if request.params.pooling is None:   # an embedding's zero output says nothing of generation lengths
+                self.admission.observe(request)
             self.stats.num_finished += 1
         elif status == RequestStatus.FINISHED_ABORTED:
             self.stats.num_aborted += 1
@@ -333,9 +334,16 @@ class Scheduler:
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> ScheduledSeq:
         c = req.num_computed_tokens
-        sampling = self._sampling_row(req) if c + n == req.num_tokens else None
+        pooling = req.params.pooling
+        sampling = self._sampling_row(req) if c + n == req.num_tokens and pooling is None else None
         seq = ScheduledSeq(req.request_id, req.all_token_ids[c:c + n], c, list(self.kv.block_table(req.request_id)),
                            sampling)
+        if pooling == "mean" or (pooling == "last" and c + n == req.num_tokens):
+            seq.pooling = pooling   # rows to pool: every chunk's (mean), the prompt's last (last)
+        last = req.num_prompt_tokens - 1
+        if req.prompt_logprobs is not None and len(req.prompt_logprobs) == c + 1 and c < last:
+            seq.prompt_targets = req.prompt_token_ids[c + 1:min(c + n, last) + 1]
+            seq.prompt_logprobs = req.params.prompt_logprobs
         out.scheduled.append(seq)
         if self._is_decode(req, n):
             out.num_decode_tokens += n
@@ -386,6 +394,8 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.publish_full_blocks(req)
+            if req.params.pooling is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.finish_request(req, RequestStatus.FINISHED_STOPPED)   # embedded: nothing to generate
             if s.sampling is None:
                 continue
             req.append_token(token, now)

@@ -12,11 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.async_engine import EngineClient
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
+from conveyor.server.embeddings import create_embedding
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                       DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from conveyor.server.state import ServerState
 
@@ -57,6 +58,10 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embedding(state, body, raw)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[_card(state, n) for n in names])
@@ -93,6 +98,15 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
         else:
             ids = await off_loop_if_big(chars, encode, client, body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What a remote-tokenizer client needs (lm-evaluation-harness's `tokenizer_backend=remote`,
+        as vLLM serves it): special tokens, the chat template, the context length."""
+        tok = client.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **tok.special_tokens,
+                "chat_template": tok.chat_template, "model_max_length": client.max_model_len,
+                "add_bos_token": tok.add_bos_token, "vocab_size": tok.vocab_size}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -44,20 +44,55 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         return finals
 
     finals = await cancel_on_disconnect(raw, collect())
-    return JSONResponse(_response(state, job, finals).model_dump())
+    if req.max_tokens == 0:   # scoring only: the one token generated to run the prompt is not shown
+        for out in finals:
+            for c in out.outputs:
+                c.text, c.token_ids, c.logprobs = "", [], [] if c.logprobs is not None else None
+    body = _response(state, job, finals, req.echo, req.prompt_logprobs)
+    return JSONResponse(body.model_dump())
 
 
-def _response(state: ServerState, job: Job, finals: list[RequestOutput]) -> CompletionResponse:
+def _response(state: ServerState, job: Job, finals: list[RequestOutput], echo: bool = False,
+              prompt_logprobs: int | None = None) -> CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
+        prompt_text = ""
+        if echo:
+            prompt_text = out.prompt if out.prompt is not None else state.client.tokenizer.decode(
+                out.prompt_token_ids, skip_special_tokens=False)
         for c in out.outputs:
             lp = None
             if job.num_logprobs is not None:
-                lp, _ = completion_logprobs(state.texts, c.token_ids, c.logprobs or [], job.num_logprobs)
-            choices.append(CompletionChoice(index=i * job.n + c.index, text=c.text, logprobs=lp,
-                                            finish_reason=finish_reason(c.finish_reason)))
+                offset = 0
+                if echo:   # the prompt's tokens first (the first has no logprob), then the completion's
+                    lp, offset = completion_logprobs(state.texts, out.prompt_token_ids, out.prompt_logprobs or [],
+                                                     job.num_logprobs)
+                more, _ = completion_logprobs(state.texts, c.token_ids, c.logprobs or [], job.num_logprobs, offset)
+                if lp is None:
+                    lp = more
+                else:
+                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(lp, name).extend(getattr(more, name))
+            choices.append(CompletionChoice(
+                index=i * job.n + c.index, text=prompt_text + c.text, logprobs=lp,
+                finish_reason=finish_reason(c.finish_reason),
+                prompt_logprobs=None if prompt_logprobs is None else vllm_prompt_logprobs(state, out, prompt_logprobs)))
     return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
                               usage=usage_of(finals))
+
+
+def vllm_prompt_logprobs(state: ServerState, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
+    """vLLM's prompt_logprobs: per prompt token, {id: {logprob, rank, decoded_token}} for the top k and
+    the prompt's own token (whose rank is null when it is not among the top k)."""
+    result: list[dict[str, dict] | None] = []
+    for entry in out.prompt_logprobs or []:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        result.append({str(t): {"logprob": lp, "rank": r + 1 if r < k else None,
+                                "decoded_token": state.texts.text(t)} for r, (t, lp) in enumerate(ranked)})
+    return result
 
 
 def usage_of(finals: list[RequestOutput]) -> UsageInfo:

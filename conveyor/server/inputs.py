@@ -199,12 +199,28 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
 
 
 def completion_sampling(req: CompletionRequest) -> SamplingParams:
+    """The request's SamplingParams; echo with logprobs (and vLLM's prompt_logprobs) ask for the
+    prompt's logprobs, and max_tokens=0 with echo scores the prompt only (one token is generated
+    and dropped)."""
     check_common(req)
-    if req.echo:
-        raise bad_request("echo is not supported", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    return sampling_params(req, req.max_tokens, "max_tokens", req.logprobs)
+    if req.echo and req.stream:
+        raise bad_request("echo is not supported with stream", "echo")
+    max_tokens = req.max_tokens
+    if max_tokens == 0:
+        if not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: scoring the prompt)", "max_tokens")
+        max_tokens = 1
+    params = sampling_params(req, max_tokens, "max_tokens", req.logprobs)
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    if wanted:
+        params.prompt_logprobs = max(wanted)
+        try:
+            params._validate()
+        except ValueError as e:
+            raise bad_request(str(e), "prompt_logprobs") from e
+    return params
 
 
 def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> SamplingParams:

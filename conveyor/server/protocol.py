@@ -66,6 +66,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None     # vLLM: the prompt tokens' logprobs, in choices[i].prompt_logprobs
 
 
 class ChatMessage(BaseModel):
@@ -84,6 +85,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["mean", "last"] = "mean"   # extension: how the final hidden states are pooled
 
 
 class TokenizeRequest(_Body):
@@ -123,6 +133,15 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's shape: None for the first token, then {token id: {"logprob", "rank", "decoded_token"}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class CompletionResponse(BaseModel):
@@ -210,6 +229,19 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo
 
 
 class ModelCard(BaseModel):

@@ -115,6 +115,18 @@ def load_family(family: str, directory: Path, seed: int = 0) -> TinyFamily:
     return TinyFamily(family, directory, hf, cfg, build_model(cfg, load_weights(directory)))
 
 
+def with_tokenizer(directory: Path) -> str:
+    """The Engine loads a tokenizer with the model: give a tiny checkpoint the demo's."""
+    import shutil
+
+    from conveyor.model.loader import demo_model_path, model_directory
+
+    for f in model_directory(demo_model_path()).glob("tokenizer*"):
+        if not (directory / f.name).exists():
+            shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]

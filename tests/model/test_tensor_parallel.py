@@ -5,18 +5,14 @@ that dies fails requests with a clear error instead of hanging.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from conveyor.engine.llm import LLM
 from conveyor.model.config import ModelConfig
-from conveyor.model.loader import demo_model_path, model_directory
 from conveyor.parallel.tp import Shard, head_ranges, split
 from conveyor.sampling.params import SamplingParams
 
-from model_testlib import FAMILIES, random_prompts
+from model_testlib import FAMILIES, random_prompts, with_tokenizer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
 
@@ -46,14 +42,6 @@ def test_splits_that_cannot_work_are_refused():
         Shard.of(cfg, 0, 4)
     shards = [Shard.of(cfg, r, 2) for r in range(2)]
     assert [s.vocab_shard for s in shards] == [5, 5] and shards[1].local_config(cfg).num_key_value_heads == 1
-
-
-def with_tokenizer(directory: Path) -> str:
-    """The Engine loads a tokenizer with the model: give a tiny checkpoint the demo's."""
-    for f in model_directory(demo_model_path()).glob("tokenizer*"):
-        if not (directory / f.name).exists():
-            shutil.copy(f, directory / f.name)
-    return str(directory)
 
 
 def run(model: str, tp: int, prompts, params=GREEDY, **options):
@@ -133,3 +121,31 @@ def test_the_engine_process_runs_a_tensor_parallel_engine(tiny_models):
         engine.close(timeout=5)
     assert got[-1].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert not engine._proc.is_alive()
+
+
+@pytest.mark.slow
+def test_tp2_prompt_logprobs_equal_tp1(tiny_models):
+    """Prompt logprobs add logits rows: every rank must ask for the same rows (the gather matches)."""
+    path = with_tokenizer(tiny_models("llama_gqa").path)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([30, 9], seed=11)]
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)
+    one, _ = run(path, 1, prompts, params, num_kv_blocks=64, max_num_batched_tokens=16)
+    two, _ = run(path, 2, prompts, params, num_kv_blocks=64, max_num_batched_tokens=16)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-4
+
+
+@pytest.mark.slow
+def test_tp2_embeddings_equal_tp1(tiny_models):
+    """A step of embedding requests only has no logits rows: every rank skips the gather alike."""
+    path = with_tokenizer(tiny_models("qwen2").path)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([21, 40], seed=12)]
+    got = {}
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, dtype="float32", num_kv_blocks=64, cost_model="none",
+                 max_num_batched_tokens=16) as llm:
+            got[tp] = [o.embedding for pooling in ("mean", "last") for o in llm.embed(prompts, pooling=pooling)]
+    for a, b in zip(got[1], got[2], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5

@@ -102,7 +102,7 @@ def test_a_constrained_request_does_not_change_its_batch_mates(client, model_nam
     ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "unsupported field"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "unsupported field"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "unsupported field"),
     ({"chat_template_kwargs": {}}, "chat_template_kwargs", "unsupported field"),
 ])
 def test_bad_constraints_and_unknown_fields_are_400s(server, model_name, body, param, needle):

@@ -1,0 +1,52 @@
+"""POST /v1/embeddings: prompts embedded through the engine (pooled final hidden states)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.engine.outputs import RequestOutput
+from conveyor.sampling.params import SamplingParams
+from conveyor.server.errors import APIError, bad_request
+from conveyor.server.inputs import completion_prompts, fit_to_context, off_loop_if_big, text_chars
+from conveyor.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
+from conveyor.server.serving import abort, cancel_on_disconnect, check_output, merged, submit
+from conveyor.server.state import ServerState
+
+
+async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Request) -> Response:
+    model = state.check_model(req.model)
+    if req.dimensions is not None:
+        raise bad_request("dimensions is not supported (the embedding has the model's hidden size)", "dimensions")
+    prompts = await off_loop_if_big(text_chars(req.input), completion_prompts, state.client, req.input)
+    params = SamplingParams(max_tokens=1, pooling=req.pooling)
+    per_prompt = [fit_to_context(state.client, p, params, "input") for p in prompts]
+    streams = submit(state.client, f"embd-{uuid.uuid4().hex}", prompts, per_prompt, 0)
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput] = [None] * len(streams)   # type: ignore[list-item]
+        try:
+            async for i, out in merged(streams):
+                check_output(out)
+                if out.finished:
+                    finals[i] = out
+        finally:
+            abort(state.client, streams)
+        return finals
+
+    finals = await cancel_on_disconnect(raw, collect())
+    data = []
+    for i, out in enumerate(finals):
+        if out.embedding is None:
+            raise APIError(500, "the engine returned no embedding")
+        vec = out.embedding
+        value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode() if req.encoding_format == "base64" \
+            else vec
+        data.append(EmbeddingData(index=i, embedding=value))
+    tokens = sum(len(o.prompt_token_ids) for o in finals)
+    body = EmbeddingResponse(data=data, model=model, usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
+    return JSONResponse(body.model_dump())

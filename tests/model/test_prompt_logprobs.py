@@ -1,0 +1,63 @@
+"""Prompt logprobs equal transformers' log-softmax over a full forward of the prompt, however the
+prompt is chunked; a prompt-logprobs request computes its whole prompt (no prefix-cache reads)
+and keeps exactly one entry per prompt token through preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.engine.llm import LLM
+from conveyor.sampling.params import SamplingParams
+
+from model_testlib import random_prompts, with_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+def hf_prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])
+@pytest.mark.parametrize("budget", [16, 1024])   # many chunks, or one
+def test_prompt_logprobs_match_transformers(tiny_models, name, budget):
+    fam = tiny_models(name)
+    prompts = random_prompts([37, 5, 64], seed=2)
+    llm = LLM(with_tokenizer(fam.path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=budget,
+              long_prefill_token_threshold=budget, cost_model="none")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_prompt_logprobs(fam.hf, prompt)
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        for j in range(1, len(prompt)):
+            entry, want = entries[j], ref[j - 1]
+            assert abs(entry[prompt[j]] - want[prompt[j]].item()) < 1e-4
+            top = sorted(entry, key=entry.get, reverse=True)[:3]
+            assert set(top) == set(want.topk(3).indices.tolist())   # the target, if outside, ranks below
+
+
+def test_no_prefix_cache_reads_and_preemption_keeps_one_entry_per_token(tiny_models):
+    fam = tiny_models("llama_gqa")
+    shared = random_prompts([48], seed=4)[0]
+    prompts = [shared + [i] for i in range(6)]
+    path = with_tokenizer(fam.path)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    roomy = LLM(path, dtype="float32", num_kv_blocks=128, cost_model="none")
+    want = roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert roomy.stats()["prefix_cache_hits"] == 0   # the shared 48 tokens were computed for each
+    roomy.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert roomy.stats()["prefix_cache_hits"] > 0    # ...and published for requests that do not need them
+    tight = LLM(path, dtype="float32", num_kv_blocks=16, block_size=8, preemption_mode="recompute",
+                admission_policy="optimistic", min_resident_steps=1, cost_model="none")
+    got = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tight.stats()["num_recomputes"] > 0
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-4
