@@ -9,8 +9,8 @@
    Conveyor does not want as serving dependencies.
 2. Throughput of the reference workload (64 requests, prompts 32-256 random token ids, outputs
    16-256, greedy) unconstrained vs every request under a json_schema constraint (an object with
-   an array of at least 500 short strings, so every output runs to its max_tokens), interleaved,
-   offline through LLM.
+   an array of at least 500 short strings, so every output runs to its max_tokens) vs every request
+   asking prompt_logprobs=1, interleaved, offline through LLM.
 """
 
 from __future__ import annotations
@@ -114,11 +114,13 @@ def workload(n: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randint(1000, 30000) for _ in range(rng.randint(32, 256))], rng.randint(16, 256)) for _ in range(n)]
 
 
-def throughput(llm, reqs, constrained: bool) -> dict:
+def throughput(llm, reqs, kind: str) -> dict:
     from conveyor.sampling.params import SamplingParams
 
+    constrained = kind == "json_schema"
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True,
-                             structured_outputs={"json": LONG} if constrained else None) for _, m in reqs]
+                             structured_outputs={"json": LONG} if constrained else None,
+                             prompt_logprobs=1 if kind == "prompt_logprobs" else None) for _, m in reqs]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], params, use_tqdm=False)
     dt = time.perf_counter() - t
@@ -149,21 +151,22 @@ def main() -> None:
 
     llm = LLM(dtype=args.dtype, max_num_seqs=64, kv_cache_gib=2, cost_model="none")
     reqs = workload()
-    throughput(llm, reqs[:8], True)   # warm-up (and llguidance's tokenizer load)
-    runs: dict[str, list[dict]] = {"plain": [], "json_schema": []}
+    throughput(llm, reqs[:8], "json_schema")   # warm-up (and llguidance's tokenizer load)
+    runs: dict[str, list[dict]] = {"plain": [], "json_schema": [], "prompt_logprobs": []}
     for _ in range(args.rounds):
         for kind in runs:
-            runs[kind].append(throughput(llm, reqs, kind == "json_schema"))
+            runs[kind].append(throughput(llm, reqs, kind))
             print(kind, runs[kind][-1], flush=True)
     med = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
     result = {"libraries": libs, "dtype": llm.engine.dtype, "throughput": runs, "median_tok_s": med,
-              "ratio": med["json_schema"] / med["plain"]}
+              "ratio": med["json_schema"] / med["plain"], "prompt_logprobs_ratio": med["prompt_logprobs"] / med["plain"]}
     lg, oc = libs["llguidance"], libs["outlines_core"]
     line = (f"JSON schema compile llguidance {lg['json']['compile_ms']:.1f} ms vs outlines-core "
             f"{oc['json']['compile_ms']:.0f} ms, mask {lg['json']['mask_us_median']:.0f} vs "
             f"{oc['json']['mask_us_median']:.0f} us/token; {llm.engine.dtype} reference workload with json_schema on "
             f"all 64 requests {med['json_schema']:.0f} vs {med['plain']:.0f} tok/s unconstrained "
-            f"({result['ratio']:.2f}x)")
+            f"({result['ratio']:.2f}x); prompt_logprobs=1 on all 64 requests {med['prompt_logprobs']:.0f} tok/s "
+            f"({result['prompt_logprobs_ratio']:.2f}x)")
     print(line)
     save("structured_outputs", result, line)
 

@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = option(None, "HF model directory or .gguf file (default: the demo model)", cli=False)
+    tokenizer: str | None = option(None, "HF directory (or .gguf) to take the tokenizer from (default: the model's)")
     device: str = option("cpu", "torch device (cpu, cuda)")
     dtype: str = option("auto", "weights, activations and KV cache dtype; auto: bfloat16 where a measured probe "
                                 "finds bf16 matmuls much faster than fp32 (CPUs with AMX or AVX512-BF16; GPUs), "

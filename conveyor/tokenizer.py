@@ -166,13 +166,23 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None, continue_final_message: bool = False,
                             **kwargs: Any) -> str | list[int]:
-        if not self.chat_template:
+        """`chat_template` replaces the model's; `continue_final_message` ends the text right after the
+        last message's content (no end-of-turn), so the model continues that message."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template; pass a prompt instead of messages")
-        template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         variables = {**self.special_tokens, **kwargs}
         text = template.render(messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt, **variables)
+        if continue_final_message:
+            final = messages[-1].get("content") or "" if messages else ""
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise ValueError("continue_final_message: the final message's content is not in the rendered text")
+            text = text[:cut + len(final)]
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

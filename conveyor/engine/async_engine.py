@@ -198,7 +198,7 @@ class EngineLoop:
         added, rejected = 0, []
         for c in commands:
             if isinstance(c, Add):
-                added += c.params.n
+                added += c.params.num_seqs
                 try:
                     if c.request_id in self._live:
                         raise ValueError(f"duplicate request id {c.request_id!r}")
@@ -267,7 +267,7 @@ class StreamingClient:
                 raise Overloaded(f"{waiting} sequences are already waiting (limit {self.max_waiting})")
             if request_id in s.streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            s.pending_seqs += params.n
+            s.pending_seqs += params.num_seqs
             s.streams[request_id] = stream
         self._post(Add(request_id, prompt, params, priority, time.monotonic()))
         return stream

@@ -70,7 +70,7 @@ class Engine:
             if loaded is not None:
                 raise ValueError("tensor parallelism loads its slices itself: pass a model path, not a loaded model")
             tp, loaded = self._start_tensor_parallel(config, dtype)
-        self.loaded = loaded or load_model(config.model, config.device, dtype)
+        self.loaded = loaded or load_model(config.model, config.device, dtype, tokenizer=config.tokenizer)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -114,7 +114,7 @@ class Engine:
         torch.set_num_threads(threads)
         group.broadcast(WorkerSetup(config, str(dtype).removeprefix("torch."), num_blocks, num_host, threads))
         try:
-            loaded = load_model(config.model, config.device, dtype, tp=group)
+            loaded = load_model(config.model, config.device, dtype, tp=group, tokenizer=config.tokenizer)
             group.broadcast(None)   # every rank has loaded its slice
         except BaseException:
             group.close(timeout=0)
@@ -162,6 +162,10 @@ class Engine:
         params = (params or SamplingParams()).clone()
         params.eos_token_ids = tuple(self.model_config.eos_token_ids)
         text, ids = self._prompt(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            text, ids = None, ids[-params.truncate_prompt_tokens:]
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.validate(ids, params)
         return ProcessedInput(text, ids, params)
 
@@ -199,7 +203,7 @@ class Engine:
         p = inp.params
         arrival = arrival_time if arrival_time is not None else self.core.clock()
         seqs, leader = [], None
-        for i in range(p.n):
+        for i in range(p.num_seqs):
             seed = p.seed + i if p.seed is not None else self._rng.getrandbits(63)
             self._next_seq += 1
             seq = Request(f"seq-{self._next_seq}", inp.prompt_token_ids, p, seed=seed, priority=int(priority),
@@ -270,6 +274,17 @@ def grammar_backend(tokenizer, vocab_size: int):
     return GrammarBackend(tokenizer.backend.to_str(), list(tokenizer.eos_token_ids), vocab_size)
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as the tokens it is generated as: alone, and after a space (as vLLM does)."""
+    out = []
+    for word in words:
+        for variant in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                      grammars=None) -> None:
     """InvalidRequestError with a clear message if the request can never run on this engine."""
@@ -283,6 +298,9 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
             f"the prompt has {n} tokens, {n - max_model_len + 1} more than the context of "
             f"{max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
             f"smaller of the model's context and the KV cache)")
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})")
     if params.stop:
         compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
     if params.structured_outputs is not None and grammars is not None:

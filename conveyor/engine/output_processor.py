@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from conveyor.engine.core import SeqUpdate
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.engine.stop_strings import StopScanner
 from conveyor.request import RequestMetrics, RequestStatus
 from conveyor.sampling.params import SamplingParams
@@ -75,6 +76,7 @@ class _Group:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        self._token_text = lru_cache(maxsize=1 << 16)(tokenizer.id_to_token_str)   # Logprob.decoded_token
         self._groups: dict[str, _Group] = {}
         self._seqs: dict[str, tuple[_Group, _Seq]] = {}
         self._to_report: dict[str, _Group] = {}   # changed outside a step (abort)
@@ -150,9 +152,9 @@ class OutputProcessor:
         new = ""
         if u.token_id is not None:
             seq.token_ids.append(u.token_id)
-            if group.params.logprobs is not None:
-                seq.logprobs.append(u.logprobs)
-            new = seq.detok.add([u.token_id])
+            if group.params.logprobs is not None or group.params.num_seqs > group.params.n:
+                seq.logprobs.append(logprob_objects(u.logprobs, self._token_text))
+            new = seq.detok.add([u.token_id]) if group.params.detokenize else ""
         if u.finish_reason is not None:
             new += seq.detok.flush()
         hit = seq.stops.feed(new) if seq.stops is not None and new else None
@@ -190,15 +192,32 @@ class OutputProcessor:
         if group.error is not None:
             return error_output(group.request_id, group.error, group.prompt, group.prompt_token_ids)
         completions = []
-        for s in group.seqs:
+        seqs = group.seqs
+        p = group.params
+        if p.num_seqs > p.n and group.finished:   # best_of: the n with the highest cumulative logprob
+            seqs = sorted(seqs, key=lambda s: -sum(e.get(t, 0.0) for e, t in zip(s.logprobs, s.token_ids) if e))
+            seqs = seqs[:p.n]
+        for index, s in enumerate(seqs):
             shown = s.visible_len()
+            lps = list(s.logprobs) if group.params.logprobs is not None or p.num_seqs > p.n else None
+            cumulative = None if lps is None else sum(e.get(t, 0.0) for e, t in zip(lps, s.token_ids) if e)
+            if p.num_seqs > p.n and p.logprobs is None:
+                lps = cumulative = None   # logprobs were only computed to rank the best_of samples
             completions.append(CompletionOutput(
-                s.index, s.text[:shown], list(s.token_ids), list(s.logprobs) if group.params.logprobs is not None
-                else None, s.finish_reason, s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:]))
+                index if p.num_seqs > p.n else s.index, s.text[:shown], list(s.token_ids), lps, s.finish_reason,
+                s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:], cumulative))
             s.sent_text, s.sent_tokens = shown, len(s.token_ids)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
                              [s.metrics for s in group.seqs], prompt_logprobs=group.prompt_logprobs,
                              embedding=group.embedding)
+
+
+def logprob_objects(entry: dict[int, float] | None, text_of) -> dict[int, Logprob] | None:
+    """{token: Logprob}: floats that also read as vLLM's Logprob (.logprob, .rank, .decoded_token)."""
+    if entry is None:
+        return None
+    ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+    return {t: Logprob(v, r + 1, text_of(t)) for r, (t, v) in enumerate(ranked)}
 
 
 def error_output(request_id: str, message: str, prompt: str | None = None,

@@ -7,6 +7,24 @@ from dataclasses import dataclass, field
 from conveyor.request import RequestMetrics
 
 
+class Logprob(float):
+    """A token's logprob: a float (so {token: logprob} dicts keep working) that also has vLLM's
+    Logprob fields. `rank` is the position among the entry's tokens (1 = most likely); for a sampled
+    token outside the requested top-k it is a lower bound."""
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        obj = super().__new__(cls, logprob)
+        obj.rank, obj.decoded_token = rank, decoded_token
+        return obj
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -17,6 +35,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""                  # new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None   # with logprobs: the sum of the sampled tokens' logprobs
 
     @property
     def finished(self) -> bool:

@@ -136,14 +136,16 @@ class LoadedModel:
 
 
 def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32, tp=None) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, tp=None, tokenizer: str | Path | None = None) -> LoadedModel:
     """Config, tokenizer and model (with ``tp``: this rank's slice; `config` stays the full model's)."""
     from conveyor.tokenizer import Tokenizer
 
     path = resolve_model_path(model)
     directory = model_directory(path)
     cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
-    tokenizer = Tokenizer.from_hf_dir(directory)  # a GGUF's tokenizer is cached beside its weights
+    # A GGUF's tokenizer is cached beside its weights; `tokenizer` takes it from elsewhere.
+    tok_dir = directory if tokenizer is None else model_directory(resolve_model_path(tokenizer))
+    tokenizer = Tokenizer.from_hf_dir(tok_dir)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
     net = build_model(cfg, load_weights(directory), device, dtype, tp)

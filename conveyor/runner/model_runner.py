@@ -13,6 +13,31 @@ from conveyor.sampling.structured import apply_bitmask
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 
 
+def apply_logit_edits(logits: torch.Tensor, rows: list) -> None:
+    """In place, per (row, SamplingRow): the allowed set, the bias, and the bad words that the
+    output's last tokens would complete (a banned token gets the dtype's lowest finite value)."""
+    low = torch.finfo(logits.dtype).min
+    for r, row in rows:
+        p = row.params
+        if p.allowed_token_ids:
+            keep = torch.tensor(p.allowed_token_ids, device=logits.device)
+            kept = logits[r, keep].clone()
+            logits[r].fill_(low)
+            logits[r, keep] = kept
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[r, ids] = (logits[r, ids] + bias).clamp_min(low)
+        for proc in p.logits_processors or ():
+            logits[r] = proc(list(row.output_token_ids or []), logits[r])
+        if p.bad_words_token_ids:
+            out = row.output_token_ids or []
+            banned = [w[-1] for w in p.bad_words_token_ids
+                      if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
+            if banned:
+                logits[r, torch.tensor(banned, device=logits.device)] = low
+
+
 def pooled_rows(s, start: int) -> list[int]:
     """The flattened rows an embedding request pools this step: all of its chunk (mean), or the
     last one (last: the scheduler marks only the chunk that ends the prompt)."""
@@ -97,6 +122,10 @@ class ModelRunner:
         perm = [row_of[i] for i in sampled]
         if perm != list(range(len(perm))):
             logits = logits[torch.tensor(perm, device=logits.device)]
+        edits = [(r, plan.scheduled[i].sampling) for r, i in enumerate(sampled)
+                 if plan.scheduled[i].sampling.params.has_logit_edits]
+        if edits:   # logit_bias, allowed_token_ids, bad words
+            apply_logit_edits(logits, edits)
         if plan.grammar_bitmask is not None:   # structured outputs: disallowed tokens to -inf
             apply_bitmask(logits, plan.grammar_rows, plan.grammar_bitmask)
         if self.record_logits:

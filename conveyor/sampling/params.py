@@ -42,6 +42,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None   # sample this many, return the n with the highest cumulative logprob
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -62,6 +63,16 @@ class SamplingParams:
     # Embedding instead of generation: the prompt's final hidden states pooled ("mean" over its
     # tokens, or the "last" token's) and L2-normalised; nothing is generated.
     pooling: str | None = None
+    logit_bias: dict[int, float] | None = None      # added to the token's logit before sampling, in [-100, 100]
+    allowed_token_ids: list[int] | None = None      # only these tokens may be sampled
+    bad_words: list[str] | None = None              # never generate these words (tokenized by the engine)
+    truncate_prompt_tokens: int | None = None       # keep only the prompt's last k tokens
+    detokenize: bool = True                          # False: token ids only (text stays empty)
+    # Offline only: callables f(output_token_ids, logits_row) -> logits_row, applied in order before
+    # sampling (vLLM's older logits_processors); they cannot cross a process boundary.
+    logits_processors: list | None = field(default=None, repr=False)
+    # bad_words as token sequences (set by the engine from bad_words; also settable directly)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # The output must match this (a JSON schema, a regex, a choice, a grammar): see structured.py.
@@ -96,6 +107,8 @@ class SamplingParams:
         # Type checks come first in each condition so that a wrong type gets this ValueError,
         # not a TypeError from the comparison.
         check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= 64),
+              f"best_of must be an integer in [n, 64], got {self.best_of!r}")
         check(_is_real(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
@@ -121,6 +134,21 @@ class SamplingParams:
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
               f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
         check(self.pooling in (None, "mean", "last"), f"pooling must be mean or last, got {self.pooling!r}")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())),
+            "logit_bias must map token ids to biases in [-100, 100]")
+        check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+              "allowed_token_ids must be a non-empty list of token ids")
+        check(self.bad_words is None or (isinstance(self.bad_words, list)
+                                         and all(isinstance(w, str) and w for w in self.bad_words)),
+              "bad_words must be a list of non-empty strings")
+        check(self.logits_processors is None or (isinstance(self.logits_processors, list)
+                                                 and all(callable(f) for f in self.logits_processors)),
+              "logits_processors must be a list of callables")
+        check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                      and self.truncate_prompt_tokens >= 1),
+              f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
               f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
@@ -138,6 +166,16 @@ class SamplingParams:
     @property
     def sampling_type(self) -> SamplingType:
         return SamplingType.GREEDY if self.temperature < SAMPLING_EPS else SamplingType.RANDOM
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the engine runs for this request (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def has_logit_edits(self) -> bool:
+        """logit_bias, allowed_token_ids or bad words: applied to the row's logits before sampling."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.logits_processors)
 
     @property
     def needs_penalties(self) -> bool:

@@ -74,9 +74,14 @@ def _check_finite(row_max: torch.Tensor) -> None:
         raise NonFiniteLogitsError(f"the model produced non-finite logits for {bad} of {len(values)} sequences")
 
 
+def _wants_logprob(p) -> bool:
+    """Logprobs asked for, or needed to rank best_of samples."""
+    return p.logprobs is not None or p.num_seqs > p.n
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return (p.temperature < SAMPLING_EPS and p.logprobs is None and not p.needs_penalties
+    return (p.temperature < SAMPLING_EPS and not _wants_logprob(p) and not p.needs_penalties
             and row.num_output_tokens >= p.min_tokens)
 
 
@@ -291,7 +296,7 @@ def _gather_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
                      tokens: torch.Tensor) -> tuple[list[dict[int, float] | None], list[int | None]]:
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
     ranks: list[int | None] = [None] * len(rows)
-    picked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    picked = [i for i, r in enumerate(rows) if _wants_logprob(r.params)]
     if not picked:
         return logprobs, ranks
     x, idx = _subset(raw, picked)
@@ -301,13 +306,13 @@ def _gather_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
     sampled = (tokens if idx is None else tokens[idx]).unsqueeze(1)
     sampled_x = x.gather(1, sampled)
     rank = (x > sampled_x).sum(dim=-1) + 1
-    n_top = max(rows[i].params.logprobs for i in picked)
+    n_top = max(rows[i].params.logprobs or 0 for i in picked)
     top_x, top_ids = x.topk(n_top, dim=-1)
     top_lp, top_ids = (top_x - lse).tolist(), top_ids.tolist()
     sampled_ids, sampled_lps = sampled.squeeze(1).tolist(), (sampled_x - lse).squeeze(1).tolist()
     rank_list = rank.tolist()
     for j, i in enumerate(picked):
-        n = rows[i].params.logprobs
+        n = rows[i].params.logprobs or 0
         entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
         entry.setdefault(sampled_ids[j], sampled_lps[j])
         logprobs[i] = entry

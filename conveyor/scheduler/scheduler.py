@@ -355,7 +355,7 @@ class Scheduler:
     def _sampling_row(req: Request) -> SamplingRow:
         p = req.params
         row = SamplingRow(p, req.seed, req.num_output_tokens)
-        if p.needs_penalties:   # only then does the sampler read the history
+        if p.needs_penalties or p.bad_words_token_ids or p.logits_processors:   # they read the history
             row.output_token_ids = req.output_token_ids
             if p.repetition_penalty != 1.0:
                 row.prompt_token_ids = req.prompt_token_ids

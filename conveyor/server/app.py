@@ -13,12 +13,14 @@ from conveyor.engine.async_engine import EngineClient
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.embeddings import create_embedding
+from conveyor.server.responses import create_response
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+                                      DetokenizeResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
+                                      TokenizeResponse)
 from conveyor.server.state import ServerState
 
 MAX_BODY_BYTES = 4 << 20
@@ -26,7 +28,8 @@ MAX_BODY_BYTES = 4 << 20
 
 def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
-              shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes") -> FastAPI:
+              shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes",
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """An app serving `client`; on lifespan shutdown it shuts the engine down too."""
     names = list(served_model_names or [client.model_name])
     state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser)
@@ -48,7 +51,11 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(InternalErrorMiddleware)   # added last = runs first
+    app.add_middleware(InternalErrorMiddleware)
+    if allowed_origins:   # browsers' preflight OPTIONS answered before the API key check (added last = runs first)
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -57,6 +64,10 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(state, body, raw)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:

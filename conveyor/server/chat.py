@@ -34,7 +34,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser)
     params = chat_sampling(req, tools)
     prompt = await off_loop_if_big(text_chars(req.messages), chat_prompt, state.client, req.messages,
-                                   req.add_generation_prompt, tools)
+                                   req.add_generation_prompt, tools, req.chat_template, req.continue_final_message,
+                                   req.chat_template_kwargs)
     tools = tools if tools is not None and tools.active else None
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = fit_to_context(state.client, prompt, params, "messages", max_param)

@@ -17,7 +17,7 @@ from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                       UsageInfo)
 from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
-                                     Job, finish_reason, merged, sse, sse_error, submit)
+                                     collect_finals, Job, finish_reason, merged, sse, sse_error, submit)
 from conveyor.server.state import ServerState
 
 
@@ -32,18 +32,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)
 
-    async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput] = [None] * len(streams)   # type: ignore[list-item]
-        try:
-            async for i, out in merged(streams):
-                check_output(out)
-                if out.finished:
-                    finals[i] = out
-        finally:
-            abort(state.client, streams)
-        return finals
-
-    finals = await cancel_on_disconnect(raw, collect())
+    finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     if req.max_tokens == 0:   # scoring only: the one token generated to run the prompt is not shown
         for out in finals:
             for c in out.outputs:

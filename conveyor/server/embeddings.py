@@ -9,12 +9,11 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.inputs import completion_prompts, fit_to_context, off_loop_if_big, text_chars
 from conveyor.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
-from conveyor.server.serving import abort, cancel_on_disconnect, check_output, merged, submit
+from conveyor.server.serving import cancel_on_disconnect, collect_finals, submit
 from conveyor.server.state import ServerState
 
 
@@ -27,18 +26,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Reque
     per_prompt = [fit_to_context(state.client, p, params, "input") for p in prompts]
     streams = submit(state.client, f"embd-{uuid.uuid4().hex}", prompts, per_prompt, 0)
 
-    async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput] = [None] * len(streams)   # type: ignore[list-item]
-        try:
-            async for i, out in merged(streams):
-                check_output(out)
-                if out.finished:
-                    finals[i] = out
-        finally:
-            abort(state.client, streams)
-        return finals
-
-    finals = await cancel_on_disconnect(raw, collect())
+    finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     data = []
     for i, out in enumerate(finals):
         if out.embedding is None:

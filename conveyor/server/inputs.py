@@ -106,11 +106,23 @@ def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[
 
 
 def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                tools: ToolPlan | None = None) -> Prompt:
+                tools: ToolPlan | None = None, chat_template: str | None = None,
+                continue_final_message: bool = False, template_kwargs: dict | None = None) -> Prompt:
     tok = client.tokenizer
-    dicts, template_tools = render_messages(message_dicts(messages), tok.chat_template or "", tools)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt false", "continue_final_message")
+        if messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
+    reserved = set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt", "chat_template",
+                                             "continue_final_message", "tokenize"}
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
+    dicts, template_tools = render_messages(message_dicts(messages), chat_template or tok.chat_template or "", tools)
     try:
-        text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=template_tools)
+        text = tok.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=template_tools,
+                                       chat_template=chat_template, continue_final_message=continue_final_message,
+                                       **(template_kwargs or {}))
     except Exception as e:   # noqa: BLE001 - a template raising on these messages is a bad request
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from e
     check_text_size(client, len(text), "messages")
@@ -122,10 +134,10 @@ def chat_prompt(client: EngineClient, messages: list[ChatMessage], add_generatio
 def check_common(req: SamplingFields) -> None:
     if req.n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of is not None and req.best_of > MAX_N:
+        raise bad_request(f"best_of must be at most {MAX_N}, got {req.best_of}", "best_of")
+    if req.best_of is not None and req.best_of > req.n and req.stream:
+        raise bad_request("best_of > n cannot stream (the best are known only at the end)", "best_of")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -141,7 +153,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
 
     structured = structured_outputs(req)
     try:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+        except ValueError as e:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from e
         return SamplingParams(
+            best_of=req.best_of, logit_bias=bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured_outputs=structured, n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
             top_k=given(req.top_k, 0), min_p=given(req.min_p, 0.0), seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, presence_penalty=given(req.presence_penalty, 0.0),
@@ -245,6 +263,9 @@ def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> 
 def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> SamplingParams:
     """Reject prompts (and prompt + max_tokens) longer than the context; fill in a missing max_tokens."""
+    k = params.truncate_prompt_tokens
+    if k is not None and len(prompt.token_ids) > k:   # keep the last k tokens (the text no longer matches)
+        prompt.text, prompt.token_ids = None, prompt.token_ids[-k:]
     limit, n = client.max_model_len, len(prompt.token_ids)
     if n >= limit:
         raise APIError(400, f"the prompt has {n} tokens, {n - limit + 1} more than this server's context "

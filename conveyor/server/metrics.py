@@ -90,7 +90,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
         self._success = Counter("conveyor:request_success", "Sequences finished, by finish reason.",
-                                ["model_name", "finish_reason"], registry=self.registry)
+                                ["model_name", "finished_reason"], registry=self.registry)   # vLLM's label
         self._model_name = model_name
 
     def observe_finished(self, out: RequestOutput) -> None:

@@ -51,6 +51,9 @@ class SamplingFields(_Body):
     priority: int = 0                      # extension: lower runs first
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM extensions
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -82,6 +85,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True     # extension, as in vLLM
+    continue_final_message: bool = False   # vLLM: continue the last (assistant) message instead of a new turn
+    chat_template: str | None = None       # vLLM: a Jinja template for this request
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM: extra template variables
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -94,6 +100,23 @@ class EmbeddingRequest(_Body):
     dimensions: int | None = None
     user: str | None = None
     pooling: Literal["mean", "last"] = "mean"   # extension: how the final hidden states are pooled
+
+
+class ResponsesRequest(_Body):
+    """The minimal Responses API (conveyor/server/responses.py)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None       # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    store: bool | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

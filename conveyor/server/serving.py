@@ -88,6 +88,19 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
+async def collect_finals(client: EngineClient, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Every stream's finished output, in order (non-streaming responses); aborts the rest on exit."""
+    finals: list[RequestOutput] = [None] * len(streams)   # type: ignore[list-item]
+    try:
+        async for i, out in merged(streams):
+            check_output(out)
+            if out.finished:
+                finals[i] = out
+    finally:
+        abort(client, streams)
+    return finals
+
+
 def check_output(out: RequestOutput) -> None:
     """Raise the APIError an engine-side failure or a shutdown abort stands for."""
     if out.error is not None:

@@ -77,3 +77,61 @@ def test_cors_and_vllm_metric_label(demo_model):
         assert any(k.startswith("conveyor:request_success_total{finished_reason=") for k in handle.metrics())
     finally:
         handle.stop()
+
+
+def test_chat_template_flag_reads_a_file_or_text(tmp_path):
+    from conveyor.server.cli import read_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(f)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{{ 1 }}") == "{{ 1 }}"
+    with pytest.raises(SystemExit, match="no such file"):
+        read_chat_template("missing.jinja")
+
+
+def test_logits_processors_detokenize_and_logprob_objects(llm):
+    def only_even(output_ids, row):
+        row[1::2] = float("-inf")
+        return row
+
+    out = llm.generate("Hello", SamplingParams(**GREEDY, logits_processors=[only_even], logprobs=2,
+                                               detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert all(t % 2 == 0 for t in out.token_ids) and out.text == ""
+    entry = out.logprobs[0][out.token_ids[0]]
+    assert entry.logprob == float(entry) and entry.rank == 1 and isinstance(entry.decoded_token, str)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(out.logprobs[0]))
+    assert again[out.token_ids[0]].rank == 1 and again == out.logprobs[0]
+
+
+def test_tokenizer_option(tmp_path):
+    from conveyor.config import EngineConfig
+    from conveyor.model.loader import demo_model_path, model_directory
+
+    with pytest.raises(Exception, match="does not exist"):
+        LLM(tokenizer=str(tmp_path / "nope"), dtype="float32", num_kv_blocks=16)
+    llm = LLM(tokenizer=str(model_directory(demo_model_path())), dtype="float32", num_kv_blocks=16)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert EngineConfig.from_options(tokenizer="x").tokenizer == "x"
+
+
+def test_best_of_returns_the_most_likely_samples(llm, client, model_name):
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    every = llm.generate("Once upon a time", SamplingParams(**{**_fields(sampled), "n": 4, "logprobs": 0}),
+                         use_tqdm=False)[0].outputs
+    best = llm.generate("Once upon a time", SamplingParams(**{**_fields(sampled), "n": 2, "best_of": 4}),
+                        use_tqdm=False)[0].outputs
+    ranked = sorted(every, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked] and [c.index for c in best] == [0, 1]
+    assert best[0].logprobs is None   # computed to rank, not asked for
+    r = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=8, n=1, best_of=3,
+                                  temperature=1.0, seed=5)
+    assert len(r.choices) == 1 and r.usage.completion_tokens <= 3 * 8
+    with pytest.raises(Exception, match="best_of"):
+        client.completions.create(model=model_name, prompt="x", max_tokens=2, best_of=3, stream=True)
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {k: getattr(p, k) for k in ("max_tokens", "temperature", "seed", "ignore_eos")}

@@ -38,7 +38,7 @@ def _error(r, status: int, param: str | None = "<any>", code: str | None = "<any
     ({"prompt": []}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),   # beyond [-100, 100]
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_completion_params(server, body, param):

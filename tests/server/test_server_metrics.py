@@ -48,7 +48,7 @@ def test_counters_follow_workload(server, client, model_name):
     assert delta("conveyor:generation_tokens_total") == generated
     finishes = [c.finish_reason for r in (completion, chat, stop) for c in r.choices]
     for reason in ("stop", "length"):
-        assert delta(f"conveyor:request_success_total{{finish_reason={reason}}}") == finishes.count(reason)
+        assert delta(f"conveyor:request_success_total{{finished_reason={reason}}}") == finishes.count(reason)
     assert delta("conveyor:e2e_request_latency_seconds_count") == len(finishes)
     assert delta("conveyor:time_to_first_token_seconds_count") == len(finishes)
     assert delta("conveyor:request_queue_time_seconds_count") == len(finishes)

@@ -9,7 +9,6 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
@@ -102,8 +101,8 @@ def test_a_constrained_request_does_not_change_its_batch_mates(client, model_nam
     ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "unsupported field"),
-    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "unsupported field"),
-    ({"chat_template_kwargs": {}}, "chat_template_kwargs", "unsupported field"),
+    ({"use_beam_search": True}, "use_beam_search", "unsupported field"),
+    ({"mm_processor_kwargs": {}}, "mm_processor_kwargs", "unsupported field"),
 ])
 def test_bad_constraints_and_unknown_fields_are_400s(server, model_name, body, param, needle):
     r = server.http.post("/v1/completions", json={"model": model_name, "prompt": "hi", "max_tokens": 3, **body})
