@@ -12,6 +12,7 @@ stops (a Stop command, or the command pipe closing when the parent dies).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import signal
@@ -90,6 +91,9 @@ class ProcessEngine(StreamingClient):
         self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=False,
                                  args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
         self._proc.start()
+        # The child is not a daemon (it may spawn tensor-parallel ranks), so at exit
+        # multiprocessing joins it: close the command pipe first, which stops it.
+        atexit.register(self._release_at_exit)
         cmd_recv.close()
         results_send.close()
         try:
@@ -107,6 +111,15 @@ class ProcessEngine(StreamingClient):
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)
         self._receiver.start()
+
+    def _release_at_exit(self) -> None:
+        try:
+            self._commands.close()
+        except OSError:
+            pass
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self._grammars)

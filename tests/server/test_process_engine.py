@@ -93,3 +93,20 @@ def test_a_killed_engine_process_fails_open_streams_and_refuses_new_ones():
     assert outs[-1].finished and "exited unexpectedly" in outs[-1].error
     assert not engine.is_healthy and "exited unexpectedly" in engine.dead_reason
     engine.close()
+
+
+def test_a_program_that_never_closes_its_engine_still_exits(tmp_path):
+    """The engine process is not a daemon (it may spawn tensor-parallel ranks): at exit the parent
+    closes its command pipe, so multiprocessing's join of the child returns instead of hanging."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forget.py"
+    script.write_text(
+        "from conveyor.config import EngineConfig\n"
+        "from conveyor.engine.process_engine import ProcessEngine\n"
+        "if __name__ == '__main__':\n"
+        "    ProcessEngine(EngineConfig.from_options(dtype='float32', num_kv_blocks=16, cost_model='none'))\n"
+        "    print('started', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "started" in done.stdout and "Traceback" not in done.stderr, done.stderr
