@@ -106,7 +106,7 @@ class Engine:
         from conveyor.parallel.tp import WorkerSetup, start_group
 
         world = config.tensor_parallel_size
-        model_directory(resolve_model_path(config.model))   # a GGUF is converted once, before the ranks load it
+        # A GGUF is converted here, once, before the ranks load it.
         cfg = read_config(model_directory(resolve_model_path(config.model)))
         num_blocks, num_host = kv_cache_blocks(config, cfg, dtype)
         threads = max(1, (config.torch_threads or os.cpu_count() or 1) // world)

@@ -51,6 +51,10 @@ class _Seq:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def cumulative_logprob(self) -> float:
+        """The sum of the sampled tokens' logprobs (params.needs_logprobs)."""
+        return sum(e.get(t, 0.0) for e, t in zip(self.logprobs, self.token_ids) if e)
+
     def visible_len(self) -> int:
         """Text that can be shown now: all once finished, else without a tail that may become a stop string."""
         held = 0 if self.finished or self.stops is None else self.stops.held
@@ -141,7 +145,7 @@ class OutputProcessor:
     def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
         seq.metrics = u.metrics
         if u.prompt_logprobs is not None and group.prompt_logprobs is None:
-            group.prompt_logprobs = list(u.prompt_logprobs)
+            group.prompt_logprobs = [logprob_objects(e, self._token_text) for e in u.prompt_logprobs]
         if u.embedding is not None:
             group.embedding = u.embedding
         if u.error is not None:
@@ -152,7 +156,7 @@ class OutputProcessor:
         new = ""
         if u.token_id is not None:
             seq.token_ids.append(u.token_id)
-            if group.params.logprobs is not None or group.params.num_seqs > group.params.n:
+            if group.params.needs_logprobs:
                 seq.logprobs.append(logprob_objects(u.logprobs, self._token_text))
             new = seq.detok.add([u.token_id]) if group.params.detokenize else ""
         if u.finish_reason is not None:
@@ -195,14 +199,12 @@ class OutputProcessor:
         seqs = group.seqs
         p = group.params
         if p.num_seqs > p.n and group.finished:   # best_of: the n with the highest cumulative logprob
-            seqs = sorted(seqs, key=lambda s: -sum(e.get(t, 0.0) for e, t in zip(s.logprobs, s.token_ids) if e))
-            seqs = seqs[:p.n]
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob())[:p.n]
         for index, s in enumerate(seqs):
             shown = s.visible_len()
-            lps = list(s.logprobs) if group.params.logprobs is not None or p.num_seqs > p.n else None
-            cumulative = None if lps is None else sum(e.get(t, 0.0) for e, t in zip(lps, s.token_ids) if e)
-            if p.num_seqs > p.n and p.logprobs is None:
-                lps = cumulative = None   # logprobs were only computed to rank the best_of samples
+            lps = cumulative = None   # best_of without logprobs: computed only to rank the samples
+            if p.logprobs is not None:
+                lps, cumulative = list(s.logprobs), s.cumulative_logprob()
             completions.append(CompletionOutput(
                 index if p.num_seqs > p.n else s.index, s.text[:shown], list(s.token_ids), lps, s.finish_reason,
                 s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:], cumulative))

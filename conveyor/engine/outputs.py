@@ -52,6 +52,6 @@ class RequestOutput:
     metrics: list[RequestMetrics] = field(default_factory=list)
     error: str | None = None
     num_cached_tokens: int = 0
-    # params.prompt_logprobs: per prompt token {token id: logprob} (its own and the top-k); the first is None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # params.prompt_logprobs: per prompt token {token id: Logprob} (its own and the top-k); the first is None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None   # params.pooling: the prompt's normalised embedding

@@ -87,7 +87,8 @@ class ProcessEngine(StreamingClient):
         ctx = mp.get_context("spawn")
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._results, results_send = ctx.Pipe(duplex=False)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)   # before the child: a GGUF is converted once, here
+        # Before the child starts: a GGUF is converted once, here.
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=False,
                                  args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
         self._proc.start()

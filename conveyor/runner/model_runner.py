@@ -8,7 +8,7 @@ from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
-from conveyor.sampling.sampler import Sampler
+from conveyor.sampling.sampler import Sampler, logprob_entries
 from conveyor.sampling.structured import apply_bitmask
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 
@@ -61,23 +61,13 @@ def pool_hidden(plan: SchedulerOutput, hidden: torch.Tensor) -> dict:
 
 def prompt_logprobs(plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
     """Per request: {target token: logprob} plus the top-k alternatives, for each row in order."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
     seqs = [s for s in plan.scheduled if s.prompt_targets]
-    targets = torch.tensor([t for s in seqs for t in s.prompt_targets], device=logp.device)
-    chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-    k = max(s.prompt_logprobs for s in seqs)
-    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    out: dict[str, list[dict[int, float]]] = {}
-    row = 0
+    targets = torch.tensor([t for s in seqs for t in s.prompt_targets], device=logits.device)
+    entries, _ = logprob_entries(logits, targets, [s.prompt_logprobs for s in seqs for _ in s.prompt_targets])
+    out, row = {}, 0
     for s in seqs:
-        entries = []
-        for t in s.prompt_targets:
-            entry = dict(zip(top_i[row][:s.prompt_logprobs], top_v[row][:s.prompt_logprobs]))
-            entry[t] = chosen[row]
-            entries.append(entry)
-            row += 1
-        out[s.request_id] = entries
+        out[s.request_id] = entries[row:row + len(s.prompt_targets)]
+        row += len(s.prompt_targets)
     return out
 
 

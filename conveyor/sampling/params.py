@@ -173,6 +173,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def needs_logprobs(self) -> bool:
+        """The sampled tokens' logprobs are computed: asked for, or needed to rank best_of samples."""
+        return self.logprobs is not None or self.num_seqs > self.n
+
+    @property
     def has_logit_edits(self) -> bool:
         """logit_bias, allowed_token_ids or bad words: applied to the row's logits before sampling."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.logits_processors)

@@ -74,14 +74,9 @@ def _check_finite(row_max: torch.Tensor) -> None:
         raise NonFiniteLogitsError(f"the model produced non-finite logits for {bad} of {len(values)} sequences")
 
 
-def _wants_logprob(p) -> bool:
-    """Logprobs asked for, or needed to rank best_of samples."""
-    return p.logprobs is not None or p.num_seqs > p.n
-
-
 def _plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return (p.temperature < SAMPLING_EPS and not _wants_logprob(p) and not p.needs_penalties
+    return (p.temperature < SAMPLING_EPS and not p.needs_logprobs and not p.needs_penalties
             and row.num_output_tokens >= p.min_tokens)
 
 
@@ -296,25 +291,33 @@ def _gather_logprobs(raw: torch.Tensor, rows: list[SamplingRow],
                      tokens: torch.Tensor) -> tuple[list[dict[int, float] | None], list[int | None]]:
     logprobs: list[dict[int, float] | None] = [None] * len(rows)
     ranks: list[int | None] = [None] * len(rows)
-    picked = [i for i, r in enumerate(rows) if _wants_logprob(r.params)]
+    picked = [i for i, r in enumerate(rows) if r.params.needs_logprobs]
     if not picked:
         return logprobs, ranks
     x, idx = _subset(raw, picked)
-    x = x.float()
-    # logprob = logit - logsumexp: ranks and top-N come from the logits, no [rows, vocab] log_softmax.
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    sampled = (tokens if idx is None else tokens[idx]).unsqueeze(1)
-    sampled_x = x.gather(1, sampled)
-    rank = (x > sampled_x).sum(dim=-1) + 1
-    n_top = max(rows[i].params.logprobs or 0 for i in picked)
-    top_x, top_ids = x.topk(n_top, dim=-1)
-    top_lp, top_ids = (top_x - lse).tolist(), top_ids.tolist()
-    sampled_ids, sampled_lps = sampled.squeeze(1).tolist(), (sampled_x - lse).squeeze(1).tolist()
-    rank_list = rank.tolist()
+    entries, entry_ranks = logprob_entries(x, tokens if idx is None else tokens[idx],
+                                           [rows[i].params.logprobs or 0 for i in picked])
     for j, i in enumerate(picked):
-        n = rows[i].params.logprobs or 0
-        entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
-        entry.setdefault(sampled_ids[j], sampled_lps[j])
-        logprobs[i] = entry
-        ranks[i] = rank_list[j]
+        logprobs[i], ranks[i] = entries[j], entry_ranks[j]
     return logprobs, ranks
+
+
+def logprob_entries(x: torch.Tensor, targets: torch.Tensor,
+                    ks: list[int]) -> tuple[list[dict[int, float]], list[int]]:
+    """Per row of logits `x`: {token: logprob} for its top ks[row] tokens and its target token, and the
+    target's rank. logprob = logit - logsumexp: ranks and top-N come from the logits, no [rows, vocab]
+    log_softmax."""
+    x = x.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    target = targets.unsqueeze(1)
+    target_x = x.gather(1, target)
+    rank = ((x > target_x).sum(dim=-1) + 1).tolist()
+    top_x, top_ids = x.topk(max(ks), dim=-1)
+    top_lp, top_ids = (top_x - lse).tolist(), top_ids.tolist()
+    target_ids, target_lps = target.squeeze(1).tolist(), (target_x - lse).squeeze(1).tolist()
+    entries = []
+    for j, n in enumerate(ks):
+        entry = dict(zip(top_ids[j][:n], top_lp[j][:n]))
+        entry.setdefault(target_ids[j], target_lps[j])
+        entries.append(entry)
+    return entries, rank

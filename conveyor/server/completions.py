@@ -65,12 +65,12 @@ def _response(state: ServerState, job: Job, finals: list[RequestOutput], echo: b
             choices.append(CompletionChoice(
                 index=i * job.n + c.index, text=prompt_text + c.text, logprobs=lp,
                 finish_reason=finish_reason(c.finish_reason),
-                prompt_logprobs=None if prompt_logprobs is None else vllm_prompt_logprobs(state, out, prompt_logprobs)))
+                prompt_logprobs=None if prompt_logprobs is None else vllm_prompt_logprobs(out, prompt_logprobs)))
     return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
                               usage=usage_of(finals))
 
 
-def vllm_prompt_logprobs(state: ServerState, out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
+def vllm_prompt_logprobs(out: RequestOutput, k: int) -> list[dict[str, dict] | None]:
     """vLLM's prompt_logprobs: per prompt token, {id: {logprob, rank, decoded_token}} for the top k and
     the prompt's own token (whose rank is null when it is not among the top k)."""
     result: list[dict[str, dict] | None] = []
@@ -78,9 +78,8 @@ def vllm_prompt_logprobs(state: ServerState, out: RequestOutput, k: int) -> list
         if entry is None:
             result.append(None)
             continue
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        result.append({str(t): {"logprob": lp, "rank": r + 1 if r < k else None,
-                                "decoded_token": state.texts.text(t)} for r, (t, lp) in enumerate(ranked)})
+        result.append({str(t): {"logprob": lp.logprob, "rank": lp.rank if lp.rank <= k else None,
+                                "decoded_token": lp.decoded_token} for t, lp in entry.items()})
     return result
 
 

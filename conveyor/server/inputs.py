@@ -153,14 +153,14 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
 
     structured = structured_outputs(req)
     try:
-        try:
-            bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
-        except ValueError as e:
-            raise bad_request("logit_bias keys must be token ids", "logit_bias") from e
+        bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+    except ValueError as e:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from e
+    try:
         return SamplingParams(
             best_of=req.best_of, logit_bias=bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-            structured_outputs=structured, n=req.n, temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
+            truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured, n=req.n,
+            temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
             top_k=given(req.top_k, 0), min_p=given(req.min_p, 0.0), seed=req.seed, stop=req.stop,
             stop_token_ids=req.stop_token_ids, presence_penalty=given(req.presence_penalty, 0.0),
             frequency_penalty=given(req.frequency_penalty, 0.0),
@@ -177,23 +177,30 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
         raise bad_request(message, api_name if api_name in type(req).model_fields else None) from e
 
 
+def format_constraint(kind: str, schema: object, name: str, schema_where: str, param: str) -> dict | None:
+    """An OpenAI output format (text, json_object, json_schema) as StructuredOutputsParams fields
+    (None for text); `name`, `schema_where` and `param` word the 400s."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad_request(f"{name} json_schema needs {schema_where} (an object)", param)
+        return {"json": schema}
+    if kind != "text":
+        raise bad_request(f"{name} type must be text, json_object or json_schema, got {kind!r}", param)
+    return None
+
+
 def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     """The request's output constraint from whichever field gave it (at most one may)."""
     found: list[tuple[str, dict]] = []
     fmt = req.response_format
     if fmt is not None:
-        kind = fmt.get("type", "text")
-        if kind == "json_object":
-            found.append(("response_format", {"json_object": True}))
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise bad_request("response_format json_schema needs json_schema.schema (an object)",
-                                  "response_format")
-            found.append(("response_format", {"json": spec["schema"]}))
-        elif kind != "text":
-            raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                              "response_format")
+        spec = fmt.get("json_schema")
+        constraint = format_constraint(fmt.get("type", "text"), spec.get("schema") if isinstance(spec, dict) else None,
+                                       "response_format", "json_schema.schema", "response_format")
+        if constraint is not None:
+            found.append(("response_format", constraint))
     if req.structured_outputs is not None:
         unknown = sorted(set(req.structured_outputs) - set(STRUCTURED_KINDS))
         if unknown:

@@ -18,7 +18,7 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import StructuredOutputsParams
 from conveyor.server.errors import APIError, bad_request
-from conveyor.server.inputs import chat_prompt, fit_to_context, off_loop_if_big, text_chars
+from conveyor.server.inputs import chat_prompt, fit_to_context, format_constraint, off_loop_if_big, text_chars
 from conveyor.server.protocol import ChatMessage, ResponsesRequest
 from conveyor.server.serving import (EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
                                      collect_finals, merged, submit)
@@ -51,17 +51,9 @@ def _messages(req: ResponsesRequest) -> list[ChatMessage]:
 
 
 def _params(req: ResponsesRequest) -> SamplingParams:
-    structured = None
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    kind = fmt.get("type")
-    if kind == "json_object":
-        structured = StructuredOutputsParams(json_object=True)
-    elif kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise bad_request("text.format json_schema needs a schema (an object)", "text")
-        structured = StructuredOutputsParams(json=fmt["schema"])
-    elif kind != "text":
-        raise bad_request(f"text.format type must be text, json_object or json_schema, got {kind!r}", "text")
+    spec = format_constraint(fmt.get("type"), fmt.get("schema"), "text.format", "a schema", "text")
+    structured = StructuredOutputsParams(**spec) if spec is not None else None
     if req.store:
         raise bad_request("store is not supported: responses are not kept on the server", "store")
     try:

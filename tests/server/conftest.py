@@ -78,6 +78,20 @@ class ServerHandle:
         assert not self.thread.is_alive()
 
 
+def wait_healthy(proc, url: str, log_path, timeout: float) -> None:
+    """Poll `url`/health until it answers 200; fail with the process's log if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not come up:\n{log_path.read_text()}"
+        time.sleep(0.2)
+
+
 def scrape_metrics(http: httpx.Client, by_replica: bool = False) -> dict[str, float]:
     """Samples of /metrics as {name{labels}: value}, parsed with prometheus_client's parser; the
     per-replica series summed over replicas unless `by_replica`."""

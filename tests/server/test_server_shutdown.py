@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +38,7 @@ def serve(tmp_path, shutdown_timeout: float) -> Iterator[Served]:
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     served = Served(proc, f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, path.read_text()
-            try:
-                if httpx.get(f"{served.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, served.url, path, 120)
         yield served
     finally:
         if proc.poll() is None:

@@ -9,13 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +44,7 @@ def test_tensor_parallel_under_torchrun(tmp_path, demo_model):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, 180)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text

@@ -28,29 +28,20 @@ using conveyor::widen;
 // Widen one row of the cache (d values) into an fp32 buffer.
 template <typename T, int HD>
 inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && HD > 0 && HD % 16 == 0) {
+        // bf16 -> fp32 is a 16-bit shift: 16 values per instruction pair (the compiler does not see it).
+        const auto* p = reinterpret_cast<const __m256i*>(src);
+        for (int i = 0; i < HD / 16; ++i)
+            _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                               _mm256_loadu_si256(p + i)), 16)));
+        return;
+    }
+#endif
     const int len = HD > 0 ? HD : n;
 #pragma omp simd
     for (int i = 0; i < len; ++i) dst[i] = widen(src[i]);
 }
-
-#if defined(__AVX512F__)
-// bf16 -> fp32 is a 16-bit shift: 16 values per instruction pair (the compiler does not see it).
-template <>
-inline void load_row<at::BFloat16, 64>(const at::BFloat16* __restrict src, float* __restrict dst, int) {
-    const auto* p = reinterpret_cast<const __m256i*>(src);
-    for (int i = 0; i < 4; ++i)
-        _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                           _mm256_loadu_si256(p + i)), 16)));
-}
-
-template <>
-inline void load_row<at::BFloat16, 128>(const at::BFloat16* __restrict src, float* __restrict dst, int) {
-    const auto* p = reinterpret_cast<const __m256i*>(src);
-    for (int i = 0; i < 8; ++i)
-        _mm512_storeu_ps(dst + 16 * i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                           _mm256_loadu_si256(p + i)), 16)));
-}
-#endif
 
 template <int HD>
 inline float dot(const float* __restrict a, const float* __restrict b, int n) {
