@@ -4,10 +4,13 @@ one at a time, in the same run (fresh processes, interleaved rounds, medians).
     python benchmarks/ablation.py [--rounds 2] [--dtypes bfloat16,float32]
 
 Configurations, from the portable baseline up:
-- torch path: CONVEYOR_KERNELS=torch (no C++ kernels), CONVEYOR_PACKED_LINEAR=off, CONVEYOR_HUGE_PAGES=off;
+- torch path: CONVEYOR_KERNELS=torch (no C++ kernels), CONVEYOR_PACKED_LINEAR=off, CONVEYOR_HUGE_PAGES=off,
+  CONVEYOR_GEMV=off;
 - + C++ kernels (paged decode on the dtype's KV cache, fused norm/rope/silu, KV write, argmax);
 - + oneDNN prepacked linear weights (where the probe finds them faster: bf16 on this CPU);
-- + huge pages for the KV cache (= the default engine).
+- + huge pages for the KV cache;
+- + the C++ GEMV for steps of a few tokens, with every decoder layer in one C++ call (= the
+  default engine).
 Writes benchmarks/results/ablation.json and a line in docs/benchmarks.md.
 """
 
@@ -19,15 +22,16 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 from common import ROOT, save
 
 CONFIGS = {
-    "torch path": {"CONVEYOR_KERNELS": "torch", "CONVEYOR_PACKED_LINEAR": "off", "CONVEYOR_HUGE_PAGES": "off"},
-    "+ C++ kernels": {"CONVEYOR_PACKED_LINEAR": "off", "CONVEYOR_HUGE_PAGES": "off"},
-    "+ prepacked linears": {"CONVEYOR_HUGE_PAGES": "off"},
-    "+ huge pages (default)": {},
+    "torch path": {"CONVEYOR_KERNELS": "torch", "CONVEYOR_PACKED_LINEAR": "off", "CONVEYOR_HUGE_PAGES": "off",
+                   "CONVEYOR_GEMV": "off"},
+    "+ C++ kernels": {"CONVEYOR_PACKED_LINEAR": "off", "CONVEYOR_HUGE_PAGES": "off", "CONVEYOR_GEMV": "off"},
+    "+ prepacked linears": {"CONVEYOR_HUGE_PAGES": "off", "CONVEYOR_GEMV": "off"},
+    "+ huge pages": {"CONVEYOR_GEMV": "off"},
+    "+ GEMV and fused decode (default)": {},
 }
 
 

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from common import ROOT, save  # noqa: E402
 from conveyor.paths import profile_path  # noqa: E402
 from conveyor.scheduler.config import SchedulerConfig  # noqa: E402
-from conveyor.sim.cost import StepCostModel, StepShape  # noqa: E402
+from conveyor.sim.cost import StepCostModel  # noqa: E402
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel  # noqa: E402
 from conveyor.sim.simulator import simulate  # noqa: E402
 from conveyor.sim.workload import WorkloadSpec  # noqa: E402

@@ -21,7 +21,6 @@ import argparse
 import math
 import sys
 import time
-from pathlib import Path
 
 from common import ROOT, save
 from conveyor.config import EngineConfig

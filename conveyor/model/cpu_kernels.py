@@ -14,7 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp")]
+_SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp",
+                                             "decode_layers_cpu.cpp")]
 
 
 def _cpu_flags() -> list[str]:

@@ -1,10 +1,20 @@
-"""Linear layers on oneDNN prepacked weights (CPU), where that measures faster than torch's own.
+"""CPU linear layers dispatched by the step's token count, each path chosen by measurement.
 
-``torch.ops.mkldnn._reorder_linear_weight`` lays a weight out once in oneDNN's blocked format
-(AMX tiles where the CPU has them); ``_linear_pointwise`` then multiplies without repacking it
-on every call — the part that dominates small-batch matmuls. Whether it pays is measured once
-per process and dtype on the model's own shapes (it does for bf16 on AMX CPUs, by 1.5-2x at
-decode batch sizes; for fp32 it is about even), since the CPUs of these machines vary.
+- **A few tokens** (a decode step of small batch): the C++ GEMV (csrc/gemv_cpu.cpp) streams the
+  plain row-major weight once with AVX512-BF16 dot products (bf16) or FMAs (fp32). Such a
+  matmul is bound by reading the weight, and oneDNN adds ~15-20 us of fixed cost per call —
+  at batch 1 that is a third of the step over the ~120 matmuls of the demo model.
+- **More tokens:** oneDNN prepacked weights. ``torch.ops.mkldnn._reorder_linear_weight`` lays a
+  weight out once in oneDNN's blocked format (AMX tiles where the CPU has them);
+  ``_linear_pointwise`` then multiplies without repacking it on every call — the part that
+  dominates small-batch matmuls. It pays for bf16 on AMX CPUs (1.5-2x at decode batch sizes);
+  for fp32 it is about even.
+- **Otherwise** ``F.linear``.
+
+Both choices are measured once per process and dtype on the model's own shapes, since the CPUs
+of these machines vary. When both apply, the layer holds its weight twice (plain for the GEMV,
+packed for the rest): one more copy of the layer weights in memory, none more read per step.
+``CONVEYOR_PACKED_LINEAR=off`` and ``CONVEYOR_GEMV=off`` turn either off, for comparisons.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+MAX_GEMV_TOKENS = 4   # the kernel's widest pass over the weight (more tokens would read it again)
 
 
 def _ops_available() -> bool:
@@ -70,26 +82,73 @@ def prefer_packed(device: torch.device | str, dtype: torch.dtype, in_features: i
     return torch.device(device).type == "cpu" and _measured(dtype, in_features, out_features)
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear whose weight lives only in oneDNN's prepacked layout (the plain copy is freed)."""
+@cache
+def _gemv_measured(dtype: torch.dtype, in_features: int, out_features: int, packed: bool) -> int:
+    from conveyor.model.cpu_kernels import cpu_kernels
 
-    def __init__(self, linear: nn.Linear):
+    kernels = cpu_kernels("cpu", dtype)
+    if kernels is None:
+        return 0
+    # Enough copies of the weight to spill out of the L2 cache, as a model's layers do: a
+    # weight hot in cache flatters the kernel that streams it.
+    copies = max(2, (32 << 20) // (in_features * out_features * dtype.itemsize))
+    ws = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]
+    pws = [pack(w) for w in ws] if packed else ws
+    other = (lambda x, w: packed_linear(x, w, None)) if packed else (lambda x, w: F.linear(x, w))
+    best = 0
+    for tokens in range(1, MAX_GEMV_TOKENS + 1):
+        x = torch.randn(tokens, in_features, dtype=dtype)
+        if not torch.allclose(kernels.gemv(x, ws[0], None).float(), F.linear(x, ws[0]).float(), rtol=1e-2, atol=1e-1):
+            logger.warning("C++ GEMV disagrees with F.linear for %s; not used", dtype)
+            return 0
+        gemv = _time(lambda: [kernels.gemv(x, w, None) for w in ws], 5)
+        if gemv > 0.9 * _time(lambda: [other(x, w) for w in pws], 5):
+            break
+        best = tokens
+    logger.info("C++ GEMV for %s: used up to %d tokens per matmul", dtype, best)
+    return best
+
+
+def gemv_tokens(device: torch.device | str, dtype: torch.dtype, in_features: int, out_features: int,
+                packed: bool) -> int:
+    """Up to how many tokens the C++ GEMV beats the other path (0: never); CPU only, measured
+    once per process and shape; CONVEYOR_GEMV=off turns it off."""
+    if os.environ.get("CONVEYOR_GEMV", "auto") == "off" or torch.device(device).type != "cpu":
+        return 0
+    return _gemv_measured(dtype, in_features, out_features, packed)
+
+
+class CpuLinear(nn.Module):
+    """An nn.Linear that runs a step of up to `gemv_max` tokens through the C++ GEMV on its plain
+    weight, and larger steps through its oneDNN-prepacked weight (when `packed`) or F.linear.
+    The plain weight is kept only if some path reads it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, gemv_max: int):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight)
-        self.bias = linear.bias
+        from conveyor.model.cpu_kernels import load_cpu_kernels
+
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = pack(weight) if packed else None
+        self.weight = weight.detach() if gemv_max or not packed else None
+        self.bias = bias
+        self.gemv_max = gemv_max
+        self.kernels = load_cpu_kernels() if gemv_max else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        if x.shape[0] <= self.gemv_max and x.dim() == 2 and x.is_contiguous():
+            return self.kernels.gemv(x, self.weight, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear below `module` by a PackedLinear; returns how many."""
+def replace_linears(module: nn.Module, packed: bool, gemv_max: int) -> int:
+    """Replace every nn.Linear below `module` by a CpuLinear; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, CpuLinear(child.weight, child.bias, packed, gemv_max))
             count += 1
         else:
-            count += pack_linears(child)
+            count += replace_linears(child, packed, gemv_max)
     return count

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from conveyor.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import pack, pack_linears, packed_linear
-from conveyor.model.ops import TorchOps
+from conveyor.model.linear import CpuLinear, replace_linears
+from conveyor.model.ops import CpuFusedOps, TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +160,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows or cfg.vocab_size, bias=False)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.cpu_lm_head: CpuLinear | None = None
+        self.fused_decode_tokens = 0   # decode steps of up to this many tokens run all layers in one C++ call
+        self._fused_weights: list[list[torch.Tensor]] = []
         self.requires_grad_(False)
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -172,9 +174,12 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only;
         with `hidden_indices`, also the final (normed) hidden states of those rows: (logits, hidden)."""
         x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer.forward(x, residual, positions, self.rope, kv, meta)
+        if input_ids.shape[0] <= self.fused_decode_tokens and not meta.prefills and len(meta.decodes) == 1:
+            x, residual = self._fused_decode(x, positions, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer.forward(x, residual, positions, self.rope, kv, meta)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         x = x[rows] if residual is None else x[rows] + residual[rows]
         x = self.norm.forward(x)
@@ -183,21 +188,45 @@ class LlamaForCausalLM(nn.Module):
             logits = x.new_empty((0, self.cfg.vocab_size))
         else:
             head = x[:n] if hidden_indices is not None else x
-            if self.packed_lm_head is not None:
-                logits = packed_linear(head, self.packed_lm_head, None)
+            if self.cpu_lm_head is not None:
+                logits = self.cpu_lm_head.forward(head)
             else:
                 logits = F.linear(head, self.lm_head_weight())
             if self.tp is not None:
                 logits = self.tp.gather_logits(logits)
         return logits if hidden_indices is None else (logits, x[n:])
 
-    def pack_linears(self) -> None:
-        """Move every matmul weight (the LM head too) into oneDNN's prepacked layout (CPU; see linear.py)."""
+    def cpu_linears(self, packed: bool, gemv_max: int) -> None:
+        """Every matmul (the LM head too) through CpuLinear: the C++ GEMV up to `gemv_max` tokens,
+        oneDNN's prepacked layout (when `packed`) above (CPU; see linear.py)."""
         for layer in self.layers:
-            pack_linears(layer)
-        self.packed_lm_head = pack(self.lm_head_weight())
+            replace_linears(layer, packed, gemv_max)
+        self.cpu_lm_head = CpuLinear(self.lm_head_weight(), None, packed, gemv_max)
         if not self.cfg.tie_word_embeddings:
-            del self.lm_head   # its only copy is the packed one now
+            del self.lm_head   # the CpuLinear holds what is needed of it
+        if gemv_max and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
+                and isinstance(self.ops, CpuFusedOps):
+            self.fused_decode_tokens = gemv_max
+            self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
+
+    @staticmethod
+    def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
+        """A layer's tensors in the order of csrc/decode_layers_cpu.cpp; empty where absent."""
+        none = torch.empty(0)
+        attn, mlp = layer.self_attn, layer.mlp
+        qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.cfg.qk_norm else (none, none)
+        return [t if t is not None else none for t in (
+            layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+            mlp.down_proj.weight, mlp.down_proj.bias, *qk)]
+
+    def _fused_decode(self, x, positions, kv_caches, meta: AttentionMetadata):
+        """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""
+        cfg, group = self.cfg, meta.decodes[0]
+        return self.attn_backend.kernels.decode_layers(
+            x, None, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
+            self.rope.cos, self.rope.sin, meta.slot_mapping, group.block_tables, group.context_lens,
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.attn_backend.scale)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF checkpoints, fusing q/k/v and gate/up on the way."""

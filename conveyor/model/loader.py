@@ -89,7 +89,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
                 dtype: torch.dtype = torch.float32, tp=None) -> LlamaForCausalLM:
     """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it."""
     from conveyor.model.attention import make_attention_backend
-    from conveyor.model.linear import prefer_packed
+    from conveyor.model.linear import gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
 
     rows = None
@@ -106,8 +106,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     model.rope.reset()
     model.rope.to(device)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
-    if prefer_packed(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size):
-        model.pack_linears()
+    packed = prefer_packed(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size)
+    gemv_max = gemv_tokens(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size, packed)
+    if packed or gemv_max:
+        model.cpu_linears(packed, gemv_max)
     return model.eval()
 
 

@@ -41,16 +41,13 @@ class TorchOps:
 
 
 class CpuFusedOps(TorchOps):
-    """CPU, fp32 or bf16: the same ops through the C++ extension, math in fp32 (falls back per
-    call on odd layouts)."""
+    """CPU, fp32 or bf16: the same ops through the C++ extension, math in fp32."""
 
     def __init__(self, kernels):
         self.k = kernels
 
     def rms_norm(self, x, w, eps):
-        if not x.is_contiguous():
-            return TorchOps.rms_norm(x, w, eps)
-        return self.k.rms_norm(x, w, eps)
+        return self.k.rms_norm(x.contiguous(), w, eps)
 
     def add_rms_norm(self, x, residual, w, eps):
         return self.k.add_rms_norm(x.contiguous(), residual, w, eps)

@@ -10,7 +10,6 @@ import torch
 
 from conveyor import LLM
 from conveyor.engine.core import EngineDeadError
-from conveyor.engine.engine import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 

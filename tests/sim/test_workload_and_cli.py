@@ -13,7 +13,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.engine.trace import StepTracer
 from conveyor.sim.cli import find_max_rate, parse_slo
-from conveyor.sim.workload import LengthDist, SimRequest, WorkloadSpec, arrival_times, load_trace, save_trace
+from conveyor.sim.workload import LengthDist, WorkloadSpec, arrival_times, load_trace, save_trace
 
 
 def test_length_distributions():
