@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import multiprocessing as mp
 import signal
@@ -44,6 +45,17 @@ class _PipeSink:
         self.conn.send(("failed", str(error), isinstance(error, EngineDeadError)))
 
 
+def freeze_gc() -> None:
+    """Exempt everything alive now (imported modules, the model, the tokenizer) from the cyclic
+    garbage collector, in a long-lived serving process after start-up. A full collection walks
+    every tracked object: ~310,000 of them after importing torch and building the engine, ~75 ms
+    on these machines, at a moment set by allocation counts -- inside whichever step or request
+    it happens to hit (measured: one such pause in a burst of arrivals raised TTFT p99 at 2 req/s
+    from ~140 to ~230 ms). After the freeze a full collection takes microseconds."""
+    gc.collect()
+    gc.freeze()
+
+
 def _child_main(config: EngineConfig, commands, results, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -56,6 +68,7 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
     loop = EngineLoop(engine, _PipeSink(results))
+    freeze_gc()
     results.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                             "vocab_size": engine.model_config.vocab_size, "stats": engine.stats(),
                             "dtype": engine.dtype}))

@@ -125,6 +125,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             access_log=args.access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + _BACKSTOP_S)
     server = Server(config)
+    from conveyor.engine.process_engine import freeze_gc
+
+    freeze_gc()   # this process lives as long as the server: no full-heap collection pauses
     # uvicorn re-raises the signal that stopped it once it is done; after a graceful shutdown
     # that should be a clean exit (status 0), not death by SIGTERM.
     for sig in (signal.SIGINT, signal.SIGTERM):
