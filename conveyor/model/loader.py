@@ -107,7 +107,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     model.rope.to(device)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
     packed = prefer_packed(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size)
-    gemv_max = gemv_tokens(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size, packed)
+    matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
+    gemv_max = gemv_tokens(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size, packed, matmul_bytes)
     if packed or gemv_max:
         model.cpu_linears(packed, gemv_max)
     return model.eval()
