@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""
         cfg, group = self.cfg, meta.decodes[0]
         return self.attn_backend.kernels.decode_layers(
-            x, None, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
+            x, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
             self.rope.cos, self.rope.sin, meta.slot_mapping, group.block_tables, group.context_lens,
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.attn_backend.scale)
 

@@ -15,16 +15,16 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 
 }  // namespace
 
-// x: [M, hidden] (the embeddings, or the previous layers' output); residual: [M, hidden] or None
-// (before the first layer). Returns (last layer's MLP output, residual stream), as the Python loop.
+// x: [M, hidden], the embeddings. Returns (last layer's MLP output, residual stream), as the
+// Python loop.
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, std::vector<std::vector<torch::Tensor>> layers,
+    torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
     TORCH_CHECK(layers.size() == k_caches.size() && layers.size() == v_caches.size(), "one cache pair per layer");
     const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    torch::Tensor res = residual ? *residual : torch::Tensor();
+    torch::Tensor res;   // the residual stream: x itself before the first layer's norm
     for (size_t i = 0; i < layers.size(); ++i) {
         const auto& w = layers[i];
         TORCH_CHECK(w.size() == kSlots, "layer tensors");

@@ -18,7 +18,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 std::tuple<torch::Tensor, torch::Tensor> argmax_rows(torch::Tensor x);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, std::vector<std::vector<torch::Tensor>> layers,
+    torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
     torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor block_tables,
     torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
