@@ -71,10 +71,9 @@ def test_streamed_constrained_output_parses(client, model_name):
     r = client.chat.completions.create(model=model_name, max_tokens=200, temperature=0,
                                        messages=[{"role": "user", "content": "Say hi as JSON."}],
                                        response_format={"type": "json_object"})
-    if r.choices[0].finish_reason == "stop":   # a 135M model may ramble in a string until max_tokens
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
-    else:
-        assert r.choices[0].message.content.startswith("{")
+    # Greedy, the demo model closes its object in 44 tokens (unconstrained, it answers in prose).
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_a_constrained_request_does_not_change_its_batch_mates(client, model_name):
