@@ -60,6 +60,7 @@ class Request:
     arrival_time: float | None = None     # None: the scheduler stamps it with its clock on arrival
     max_model_len: int | None = None      # hard cap on prompt + output
     prefill_leader: Request | None = None  # n > 1: wait for this sibling's prefill to share its blocks
+    cache_salt: str | None = None         # prefix-cache blocks are shared only among requests with this salt
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -68,6 +69,8 @@ class Request:
     error: str | None = None              # why it finished with FINISHED_ERROR
     arrival_seq: int = 0                  # FCFS tie-break, kept across preemptions
     resumed_step: int = -1                # step at which it last (re)entered RUNNING
+    swapped_in_step: int = -1             # step at which it was last swapped back in
+    preempted_step: int = -1              # step at which it was last preempted
     grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
     prompt_logprobs: list | None = None   # params.prompt_logprobs: one entry per prompt token so far
     pooled: Any = None                    # params.pooling: running sum (mean) or the last hidden state
@@ -104,6 +107,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def reset_computed(self) -> None:
+        """Preempted by recompute: its KV is gone, so are the per-chunk results it would compute
+        again (a pooled sum, a partial list of prompt logprobs); tokens and logprobs sampled
+        already stay."""
+        self.num_computed_tokens = 0
+        self.pooled = None
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            self.prompt_logprobs = [None]
 
     def append_token(self, token_id: int, now: float) -> None:
         self.all_token_ids.append(token_id)

@@ -32,7 +32,7 @@ from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.sim.cost import StepCostModel, with_preemption_costs
+from conveyor.sim.cost import StepCostModel, preemption_costs
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
 
@@ -51,6 +51,7 @@ class ProcessedInput:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None   # shares prefix-cache blocks only with requests of the same salt
 
 
 class Engine:
@@ -84,7 +85,8 @@ class Engine:
         if tp is not None:
             runner = self._tensor_parallel_executor(runner, tp)
         self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
-        self.core = EngineCore(Scheduler(with_preemption_costs(config.scheduler, self.cost_model), kv), runner,
+        costs = preemption_costs(config.scheduler, self.cost_model)   # user-set costs win over the profile
+        self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs), runner,
                                time.monotonic, config.max_consecutive_step_failures)
         if config.step_trace:
             self.core.tracer = StepTracer(meta={"source": "engine", "model": self.model_name,
@@ -167,7 +169,7 @@ class Engine:
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         self.validate(ids, params)
-        return ProcessedInput(text, ids, params)
+        return ProcessedInput(text, ids, params, cache_salt(prompt))
 
     def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -207,7 +209,8 @@ class Engine:
             seed = p.seed + i if p.seed is not None else self._rng.getrandbits(63)
             self._next_seq += 1
             seq = Request(f"seq-{self._next_seq}", inp.prompt_token_ids, p, seed=seed, priority=int(priority),
-                          arrival_time=arrival, max_model_len=self.max_model_len, prefill_leader=leader)
+                          arrival_time=arrival, max_model_len=self.max_model_len, prefill_leader=leader,
+                          cache_salt=inp.cache_salt)
             if p.structured_outputs is not None:
                 try:
                     seq.grammar = self.grammars.matcher(p.structured_outputs)   # compiled once, cached
@@ -265,6 +268,14 @@ def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int,
     block_bytes = KVCacheTensors.bytes_per_block(cfg, config.block_size, dtype.itemsize)
     num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
     return num_blocks, int(config.swap_space_gib * GIB // block_bytes)
+
+
+def cache_salt(prompt: object) -> str | None:
+    """A dict prompt's "cache_salt" (vLLM's): a non-empty string, or None when not given."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def grammar_backend(tokenizer, vocab_size: int):

@@ -13,6 +13,8 @@ from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedInput
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 
+# A dict: {"prompt": text} or {"prompt_token_ids": ids} (with an optional "prompt" text), and
+# optionally "cache_salt" (a non-empty string: prefix-cache blocks are shared only within a salt).
 PromptType = str | list[int] | dict[str, Any]
 
 

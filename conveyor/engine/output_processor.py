@@ -69,6 +69,7 @@ class _Group:
     params: SamplingParams | None
     seqs: list[_Seq]
     error: str | None = None
+    error_code: str | None = None
     prompt_logprobs: list | None = None
     embedding: list[float] | None = None
 
@@ -149,7 +150,7 @@ class OutputProcessor:
         if u.embedding is not None:
             group.embedding = u.embedding
         if u.error is not None:
-            self._fail(group, u.error, commands)
+            self._fail(group, u.error, commands, u.error_code)
             return
         if seq.finished:   # e.g. a stop string already ended it: a late token is not shown
             return
@@ -177,9 +178,10 @@ class OutputProcessor:
         if u.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
 
-    def _fail(self, group: _Group, message: str, commands: list[FinishCommand]) -> None:
+    def _fail(self, group: _Group, message: str, commands: list[FinishCommand], code: str | None = None) -> None:
         """The whole request fails with `message`; its live siblings are aborted."""
-        group.error = message
+        if group.error is None:   # the first failure is the one reported
+            group.error, group.error_code = message, code
         for s in group.seqs:
             if not s.finished:
                 commands.append(FinishCommand(s.seq_id, RequestStatus.FINISHED_ABORTED))
@@ -194,7 +196,8 @@ class OutputProcessor:
     # ---- outputs ---------------------------------------------------------------------------
     def _output(self, group: _Group) -> RequestOutput:
         if group.error is not None:
-            return error_output(group.request_id, group.error, group.prompt, group.prompt_token_ids)
+            return error_output(group.request_id, group.error, group.prompt, group.prompt_token_ids,
+                                group.error_code)
         completions = []
         seqs = group.seqs
         p = group.params
@@ -223,6 +226,7 @@ def logprob_objects(entry: dict[int, float] | None, text_of) -> dict[int, Logpro
 
 
 def error_output(request_id: str, message: str, prompt: str | None = None,
-                 prompt_token_ids: list[int] | None = None) -> RequestOutput:
+                 prompt_token_ids: list[int] | None = None, code: str | None = None) -> RequestOutput:
     return RequestOutput(request_id, prompt, prompt_token_ids or [],
-                         [CompletionOutput(0, "", [], None, "error", message)], True, error=message)
+                         [CompletionOutput(0, "", [], None, "error", message)], True, error=message,
+                         error_code=code)

@@ -51,6 +51,7 @@ class RequestOutput:
     finished: bool = False
     metrics: list[RequestMetrics] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None   # with error: its kind ("queue_timeout"; None: an engine failure)
     num_cached_tokens: int = 0
     # params.prompt_logprobs: per prompt token {token id: Logprob} (its own and the top-k); the first is None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -33,6 +33,11 @@ class StepRecord:
     swapped: int
     failed: int = 0            # requests failed with the step (an executor exception)
     seqs: list | None = None   # [[request id, tokens], ...] with detail on
+    recomputed: int | None = None   # of the preempted, given back for recomputation (None: preempted - swapped_out)
+
+    def __post_init__(self) -> None:
+        if self.recomputed is None:   # a trace written before the field existed: every victim not swapped
+            self.recomputed = self.preempted - self.swapped_out
 
 
 @dataclass
@@ -42,13 +47,15 @@ class StepTracer:
     meta: dict = field(default_factory=dict)      # what was traced: engine or simulator, model, config
     timeline: list[float] = field(default_factory=list)   # a driver's clock reads (see sim/harness.py)
 
-    def record(self, plan: SchedulerOutput, t: float, dt: float, before: tuple[int, int, int],
-               after: tuple[int, int, int], stats: dict, failed: int) -> None:
+    def record(self, plan: SchedulerOutput, t: float, dt: float, before: tuple[int, ...],
+               after: tuple[int, ...], stats: dict, failed: int) -> None:
+        """`before`/`after`: the scheduler's (preemptions, swaps out, swaps in[, recomputes]) around the step."""
         self.records.append(StepRecord(
             plan.step, t, dt, len(plan.scheduled), plan.num_prefill_tokens, plan.num_decode_tokens,
             after[0] - before[0], after[1] - before[1], after[2] - before[2], stats["kv_usage"],
             stats["num_running"], stats["num_waiting"], stats["num_swapped"], failed,
-            [[s.request_id, s.num_tokens] for s in plan.scheduled] if self.detail else None))
+            [[s.request_id, s.num_tokens] for s in plan.scheduled] if self.detail else None,
+            after[3] - before[3] if len(after) > 3 else None))
 
     # ---- files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -83,5 +90,6 @@ class StepTracer:
             if r.preempted or r.failed:
                 events.append({"name": "preemption" if r.preempted else "failure", "ph": "i", "s": "p",
                                "ts": ts, "pid": 0, "tid": 0,
-                               "args": {"preempted": r.preempted, "swapped_out": r.swapped_out, "failed": r.failed}})
+                               "args": {"preempted": r.preempted, "swapped_out": r.swapped_out,
+                                        "recomputed": r.recomputed, "failed": r.failed}})
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -6,25 +6,70 @@ mappings that swap-out/swap-in return.
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 from conveyor.kv.block_pool import BlockPool, PoolStats
 from conveyor.request import Request
+
+# Prefix-cache keys: block i's key is sha256(key of block i-1, or ROOT_HASH for the first block ||
+# content_i), content_i = u32 length of the extra keys || the extra keys || the block's token ids
+# as int32, little-endian. Only the first block has extra keys (the cache salt), so everything
+# chains from them. The pool also compares content and parent on every hit (block_pool.py).
+ROOT_HASH = bytes(32)
+assert array("i").itemsize == 4
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    # Anything else that changes a block's KV (adapters, multimodal inputs) would join the key.
-    return hash((parent, tokens))
+def extra_keys(request: Request) -> bytes:
+    """What besides its tokens changes a sequence's KV, as tagged, length-prefixed fields that go
+    into its first block's key. Anything else that would (adapters, multimodal inputs) joins here."""
+    if request.cache_salt is None:
+        return b""
+    salt = request.cache_salt.encode("utf-8", "surrogatepass")
+    return b"s" + len(salt).to_bytes(4, "little") + salt
+
+
+def block_content(tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """A block's bytes as its key covers them (without the parent): extra keys, then token ids."""
+    ids = array("i", tokens)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return len(extra).to_bytes(4, "little") + extra + ids.tobytes()
+
+
+def chain_hash(parent: bytes | None, content: bytes) -> bytes:
+    """A full block's prefix-cache key: sha256 over the parent block's key and its content."""
+    return hashlib.sha256((ROOT_HASH if parent is None else parent) + content).digest()
+
+
+@dataclass(slots=True)
+class BlockKeys:
+    """A request's full blocks' keys and contents, computed incrementally (O(new blocks) a step)."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    contents: list[bytes] = field(default_factory=list)
 
 
 class HostPool:
-    """Host-memory blocks that receive swapped-out KV. No caching, O(1) alloc/free."""
+    """Host-memory blocks that receive swapped-out KV. No caching, O(1) alloc/free.
+
+    Blocks released by a swap-in are quarantined until the next step (``end_step``): the
+    executor copies a step's swap-outs before its swap-ins, so a host block read by this
+    step's swap-in must not be handed to a swap-out of the same step.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.free_ids = list(range(num_blocks - 1, -1, -1))
+        self.quarantine: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -37,6 +82,14 @@ class HostPool:
     def release(self, ids: list[int]) -> None:
         self.free_ids.extend(ids)
 
+    def release_after_step(self, ids: list[int]) -> None:
+        self.quarantine.extend(ids)
+
+    def end_step(self) -> None:
+        if self.quarantine:
+            self.free_ids.extend(self.quarantine)
+            self.quarantine.clear()
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
@@ -46,8 +99,14 @@ class KVCacheManager:
         self.host = HostPool(num_host_blocks)
         self.tables: dict[str, list[int]] = {}       # request id -> device block ids
         self.host_tables: dict[str, list[int]] = {}  # request id -> host block ids (while swapped)
-        self.hashes: dict[str, list[int]] = {}       # request id -> chained hashes of its full blocks
+        # While swapped: the request's table with None where a block went to the host; the
+        # blocks it shares with others stay on the device (copying them would free nothing).
+        self.swapped_tables: dict[str, list[int | None]] = {}
+        self.hashes: dict[str, BlockKeys] = {}       # request id -> keys (chained sha256) of its full blocks
         self.num_registered: dict[str, int] = {}     # request id -> leading blocks published in the cache
+        # request id -> the publication its next full block is computed after (0: none yet);
+        # None: a block of its chain could not be published (collision), so no later one is.
+        self.chain_parent: dict[str, int | None] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -102,13 +161,18 @@ class KVCacheManager:
     def prefix_cache_stats(self) -> PoolStats:
         return self.pool.stats
 
-    def _block_hashes(self, request: Request, upto_tokens: int) -> list[int]:
-        """Chained hashes of the request's full blocks within its first upto_tokens tokens."""
-        hashes = self.hashes.setdefault(request.request_id, [])
+    def _block_keys(self, request: Request, upto_tokens: int) -> BlockKeys:
+        """Keys and contents of the request's full blocks within (at least) its first upto_tokens tokens."""
+        keys = self.hashes.get(request.request_id)
+        if keys is None:
+            keys = self.hashes[request.request_id] = BlockKeys()
+        hashes, contents = keys.hashes, keys.contents
         bs, toks = self.block_size, request.all_token_ids
         for i in range(len(hashes), upto_tokens // bs):
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(toks[i * bs:(i + 1) * bs])))
-        return hashes
+            content = block_content(toks[i * bs:(i + 1) * bs], b"" if i else extra_keys(request))
+            hashes.append(chain_hash(hashes[-1] if hashes else None, content))
+            contents.append(content)
+        return keys
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the longest prefix of the request's tokens.
@@ -119,13 +183,16 @@ class KVCacheManager:
         p = request.params
         if not self.pool.enable_caching or p.prompt_logprobs is not None or p.pooling == "mean":
             return []   # prompt logprobs and mean pooling need every prompt token computed, not cached
-        hashes = self._block_hashes(request, request.num_tokens - 1)
-        found = []
-        for h in hashes:
-            block_id = self.pool.lookup(h)
+        n = (request.num_tokens - 1) // self.block_size
+        keys = self._block_keys(request, n * self.block_size)
+        pool, found, parent = self.pool, [], 0
+        for i in range(n):
+            # Verified hit: same content (tokens, salt) computed after the block matched just before.
+            block_id = pool.match(keys.hashes[i], keys.contents[i], parent)
             if block_id is None:
                 break
             found.append(block_id)
+            parent = pool.blocks[block_id].pub_id
         return found
 
     def record_prefix_lookup(self, request: Request, num_hits: int) -> None:
@@ -153,6 +220,7 @@ class KVCacheManager:
         table.extend(cached)
         if cached:
             self.num_registered[request.request_id] = len(table)
+            self.chain_parent[request.request_id] = self.pool.blocks[cached[-1]].pub_id
         table.extend(self.pool.allocate(need))
         return True
 
@@ -168,9 +236,14 @@ class KVCacheManager:
         start = self.num_registered.get(rid, 0)
         if full <= start:
             return
-        hashes = self._block_hashes(request, full * self.block_size)
+        keys = self._block_keys(request, full * self.block_size)
+        parent = self.chain_parent.get(rid) if start else 0
         for i in range(start, full):
-            self.pool.register(table[i], hashes[i])
+            if parent is None:
+                break
+            holder = self.pool.register(table[i], keys.hashes[i], keys.contents[i], parent)
+            parent = None if holder is None else self.pool.blocks[holder].pub_id
+        self.chain_parent[rid] = parent
         self.num_registered[rid] = full
 
     def free(self, request: Request) -> None:
@@ -181,25 +254,74 @@ class KVCacheManager:
         host = self.host_tables.pop(rid, None)
         if host:
             self.host.release(host)
+        pinned = self.swapped_tables.pop(rid, None)
+        if pinned:
+            self.pool.release([b for b in pinned[::-1] if b is not None])
         self.num_registered.pop(rid, None)
+        self.chain_parent.pop(rid, None)
 
     def forget(self, request: Request) -> None:
-        """Drop a finished request's cached block hashes."""
+        """Drop a finished request's cached block keys."""
         self.hashes.pop(request.request_id, None)
 
     # ---- swap ----------------------------------------------------------------------------
+    def num_unshared(self, request_id: str) -> int:
+        """Blocks that only this request holds: what preempting it (either way) frees."""
+        blocks = self.pool.blocks
+        return sum(1 for b in self.tables.get(request_id, ()) if blocks[b].ref_count == 1)
+
+    def blocks_freed_by(self, requests: list[Request], swaps: list[bool]) -> list[int]:
+        """For running requests preempted in this order (swaps[i]: by swap, else by recompute): the
+        blocks each one's preemption frees. Recompute drops all its blocks, so a block shared only
+        among them is freed by the last of them to go; swap frees only the blocks nobody else
+        holds at that moment (it keeps the shared ones)."""
+        dropped: dict[int, int] = {}
+        blocks = self.pool.blocks
+        out = []
+        for r, swap in zip(requests, swaps):
+            n = 0
+            for b in self.tables.get(r.request_id, ()):
+                last = dropped.get(b, 0) + 1 == blocks[b].ref_count
+                if last or not swap:
+                    dropped[b] = dropped.get(b, 0) + 1
+                    n += last
+            out.append(n)
+        return out
+
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Tokens of the request's leading blocks that others hold too: they stay cached when it
+        is preempted, so recomputing it starts after them (a prefix-cache hit)."""
+        p = request.params
+        if not self.pool.enable_caching or p.prompt_logprobs is not None or p.pooling == "mean":
+            return 0   # such requests never read the prefix cache (see find_cached_prefix)
+        n = 0
+        for b in self.tables.get(request.request_id, ()):
+            block = self.pool.blocks[b]
+            if block.ref_count < 2 or block.block_hash is None:
+                break
+            n += 1
+        return min(n * self.block_size, max(0, request.num_tokens - 1))
+
+    def num_pinned(self, request_id: str) -> int:
+        """Device blocks a swapped-out request still holds (shared with others)."""
+        return sum(1 for b in self.swapped_tables.get(request_id, ()) if b is not None)
+
     def can_swap_out(self, request: Request) -> bool:
-        return self.num_held(request.request_id) <= self.host.num_free
+        return self.num_unshared(request.request_id) <= self.host.num_free
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's KV to host blocks; returns (device block, host block) copies."""
+        """Move the request's unshared KV to host blocks; returns (device block, host block) copies.
+        Shared blocks stay on the device, held by the swapped request."""
         rid = request.request_id
         table = self.tables.pop(rid)
-        host = self.host.allocate(len(table))
+        blocks = self.pool.blocks
+        moved = [b for b in table if blocks[b].ref_count == 1]
+        host = self.host.allocate(len(moved))
         self.host_tables[rid] = host
-        self.pool.release(table[::-1])
+        self.swapped_tables[rid] = [None if blocks[b].ref_count == 1 else b for b in table]
+        self.pool.release(moved[::-1])
         self.num_registered.pop(rid, None)
-        return list(zip(table, host))
+        return list(zip(moved, host))
 
     def can_swap_in(self, request: Request) -> bool:
         return len(self.host_tables[request.request_id]) <= self.pool.num_free
@@ -208,21 +330,36 @@ class KVCacheManager:
         """Bring the request's KV back; returns (host block, device block) copies."""
         rid = request.request_id
         host = self.host_tables.pop(rid)
-        table = self.pool.allocate(len(host))
+        fresh = iter(self.pool.allocate(len(host)))
+        new = []
+        table = []
+        for b in self.swapped_tables.pop(rid):
+            if b is None:
+                b = next(fresh)
+                new.append(b)
+            table.append(b)
         self.tables[rid] = table
-        self.host.release(host)
-        return list(zip(host, table))
+        self.host.release_after_step(host)
+        return list(zip(host, new))
+
+    def end_step(self) -> None:
+        """A step's plan is complete: host blocks its swap-ins read may serve the next step's swap-outs."""
+        self.host.end_step()
 
     def check_invariants(self, live_ids: set[str] | None = None) -> None:
         self.pool.check_invariants()
         owners: dict[int, int] = {}
-        for table in self.tables.values():
+        for table in [*self.tables.values(), *self.swapped_tables.values()]:
             for b in table:
-                owners[b] = owners.get(b, 0) + 1
+                if b is not None:
+                    owners[b] = owners.get(b, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_count == owners.get(block.block_id, 0), \
                 f"block {block.block_id}: ref {block.ref_count} != owners {owners.get(block.block_id, 0)}"
         host_used = sum(len(t) for t in self.host_tables.values())
-        assert host_used + self.host.num_free == self.host.num_blocks
+        assert host_used + self.host.num_free + len(self.host.quarantine) == self.host.num_blocks
+        assert set(self.swapped_tables) == set(self.host_tables)
+        for rid, table in self.swapped_tables.items():
+            assert table.count(None) == len(self.host_tables[rid])
         if live_ids is not None:
             assert set(self.tables) | set(self.host_tables) <= live_ids

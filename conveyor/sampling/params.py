@@ -77,6 +77,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # The output must match this (a JSON schema, a regex, a choice, a grammar): see structured.py.
     structured_outputs: StructuredOutputsParams | None = None
+    # Seconds this request may wait for its first scheduling; past it, it fails with a queue
+    # timeout instead of running late (capped by the engine's max_queue_time; see scheduler/deadlines.py).
+    max_queue_time: float | None = None
     # Filled by the engine from the model's generation config; not a user field in vLLM either.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -152,6 +155,8 @@ class SamplingParams:
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
               f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        check(self.max_queue_time is None or (_is_real(self.max_queue_time) and self.max_queue_time > 0),
+              f"max_queue_time must be a number of seconds > 0, got {self.max_queue_time!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS,
               f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")

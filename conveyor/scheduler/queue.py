@@ -1,4 +1,6 @@
-"""The waiting queue: priority first (lower runs first), then arrival order (FCFS)."""
+"""The queue: requests not running (waiting ones, and swapped-out ones waiting to come back),
+priority first (lower runs first), then arrival order (FCFS). A preempted request keeps its
+(priority, arrival) and so its place."""
 
 from __future__ import annotations
 
@@ -6,18 +8,21 @@ import heapq
 
 from conveyor.request import Request, RequestStatus
 
+_QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
+
 
 class WaitQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Request]] = []
-        self._live = 0
+        self._live = 0   # WAITING entries (swapped ones are counted by the scheduler's list)
 
     def push(self, request: Request) -> None:
+        assert request.status in _QUEUED
         heapq.heappush(self._heap, (request.priority, request.arrival_seq, request))
-        self._live += 1
+        self._live += request.status == RequestStatus.WAITING
 
     def _drop_dead(self) -> None:
-        while self._heap and self._heap[0][2].status != RequestStatus.WAITING:
+        while self._heap and self._heap[0][2].status not in _QUEUED:
             heapq.heappop(self._heap)
 
     def peek(self) -> Request | None:
@@ -26,12 +31,17 @@ class WaitQueue:
 
     def pop(self) -> Request:
         self._drop_dead()
-        self._live -= 1
-        return heapq.heappop(self._heap)[2]
+        request = heapq.heappop(self._heap)[2]
+        self._live -= request.status == RequestStatus.WAITING
+        return request
 
     def discard(self, request: Request) -> None:
-        """Account for a queued request that left (aborted); its heap entry is dropped lazily."""
+        """Account for a waiting request that left (aborted); its heap entry is dropped lazily."""
         self._live -= 1
+
+    def now_waiting(self, request: Request) -> None:
+        """A queued swapped request turned into a waiting one (its KV was dropped)."""
+        self._live += 1
 
     def __len__(self) -> int:
         return self._live

@@ -1,9 +1,11 @@
 """Iteration-level scheduler: one token budget per step, recomposed after every forward pass.
 
-Each step: (0) a waiting request of higher priority may preempt running lower-priority work;
-(1) running decodes, (2) further chunks of running prefills, (3) swapped requests coming
-back, (4) admissions from the queue under the admission policy. Every request just moves
-its ``num_computed_tokens`` toward its length; there is no separate prefill phase.
+Each step: (0) the queue's head may preempt running requests of worse priority; (1) running
+decodes; (2) the rest of the budget by rank (priority, then arrival) to running prefill chunks
+and to queued requests coming in (swapped ones back, waiting ones admitted under the admission
+policy). The queue holds waiting and swapped requests in one order, so a preempted request
+keeps its place whichever way it was preempted. Every request just moves its
+``num_computed_tokens`` toward its length; there is no separate prefill phase.
 No torch here: the simulator drives this very class with a cost-model executor.
 """
 
@@ -17,8 +19,11 @@ from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.scheduler.admission import AdmissionPolicy, make_admission_policy
 from conveyor.scheduler.config import SchedulerConfig
+from conveyor.scheduler.deadlines import DeadlineHeap, queue_limit, timeout_message
 from conveyor.scheduler.output import ModelOutput, SamplingRow, ScheduledSeq, SchedulerOutput
-from conveyor.scheduler.preemption import choose_mode, choose_victim, victim_key
+from conveyor.scheduler.preemption import (DEFAULT_RECOMPUTE_COST_PER_TOKEN, DEFAULT_SWAP_COST_PER_BLOCK,
+                                           PreemptionCosts, eligible_victims, order_victims, victim_cost,
+                                           victim_key)
 from conveyor.scheduler.queue import WaitQueue
 
 
@@ -37,24 +42,34 @@ class SchedulerStats:
     num_swaps_in: int = 0
     num_recomputes: int = 0
     num_priority_preemptions: int = 0
+    blocks_swapped_out: int = 0           # blocks copied to host by preemption (shared ones stay)
+    tokens_recomputed: int = 0            # computed tokens thrown away by recompute preemption
+    preemption_cost: float = 0.0          # estimated seconds to bring every victim back
     admission_deferrals: int = 0          # steps in which the policy held the queue head back
     num_finished: int = 0
     num_aborted: int = 0
     num_errors: int = 0
+    num_queue_timeouts: int = 0           # failed by their queue deadline before their first scheduling
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, admission: AdmissionPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, costs: PreemptionCosts | None = None):
         self.config = config
+        # auto preemption: the costs the user set, else the profile's (passed in), else defaults
+        self.costs = costs or PreemptionCosts(config.swap_cost_per_block or DEFAULT_SWAP_COST_PER_BLOCK,
+                                              config.recompute_cost_per_token or DEFAULT_RECOMPUTE_COST_PER_TOKEN)
         self.kv = kv
         self.clock = clock   # timestamps: monotonic time in the engine, simulated time in the simulator
         self.admission = admission or make_admission_policy(
-            config.admission_policy, config.admission_quantile, config.reservation_buffer)
-        self.waiting = WaitQueue()
+            config.admission_policy, config.admission_quantile, config.reservation_buffer,
+            config.admission_half_life)
+        self.waiting = WaitQueue()          # waiting and swapped requests, by (priority, arrival)
         self.running: list[Request] = []
-        self.swapped: list[Request] = []
+        self.swapped: list[Request] = []    # the swapped ones (also in the queue)
+        self._reserved: int | None = None
         self.requests: dict[str, Request] = {}
+        self.deadlines = DeadlineHeap(self.requests)   # queue deadlines (deadlines.py)
         self.stats = SchedulerStats()
         self._arrivals = 0
         self.step = 0
@@ -78,6 +93,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        self.deadlines.push(request, self.config.max_queue_time)
 
     def finish_request(self, request: Request, status: RequestStatus, reason: int | str | None = None) -> None:
         """Leave the engine now (stop, length, abort, error); blocks are free for the next step."""
@@ -113,6 +129,15 @@ class Scheduler:
                 failed.append(req)
         return failed
 
+    def expire_queued(self, now: float) -> list[Request]:
+        """Fail the requests whose queue deadline passed before their first scheduling (deadlines.py)."""
+        expired = self.deadlines.pop_expired(now)
+        for req in expired:
+            req.error = timeout_message(req, now, queue_limit(req, self.config.max_queue_time))
+            self.finish_request(req, RequestStatus.FINISHED_ERROR)
+        self.stats.num_queue_timeouts += len(expired)
+        return expired
+
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:
@@ -127,106 +152,167 @@ class Scheduler:
         self.step += 1
         out = SchedulerOutput(self.step)
         self.running.sort(key=victim_key)
-        static = self.config.scheduling_policy == "static"
-        if static:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        if self.config.scheduling_policy == "static":
             self._admit_static_batch()
+            self._schedule_running(out, budget, list(self.running), scheduled)
         else:
             self._preempt_for_priority(out)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not static:
-            if not out.swap_out:
-                budget = self._swap_in(out, budget)
-            self._admit(out, budget)
+            decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+            budget = self._schedule_running(out, budget, decodes, scheduled)
+            self._schedule_by_rank(out, budget, scheduled)
+            if not self.running and self.swapped and not out.scheduled:
+                self._unpin_swapped()
+        self.kv.end_step()   # the plan is built: host blocks its swap-ins read may serve the next one
         self._record(out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        scheduled: dict[str, ScheduledSeq] = {}
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, reqs: list[Request],
+                          scheduled: dict[str, ScheduledSeq]) -> int:
+        for req in reqs:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:   # preempted earlier in this loop
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
-            ok, returned = self._grow(req, n, scheduled, out)
-            budget += returned
-            if ok:
-                scheduled[req.request_id] = self._add(out, req, n)
-                budget -= n
+            budget = self._schedule_chunk(req, out, budget, scheduled)
         return budget
+
+    def _schedule_chunk(self, req: Request, out: SchedulerOutput, budget: int,
+                        scheduled: dict[str, ScheduledSeq]) -> int:
+        """Give a running request its next chunk (one token for a decode), if memory allows."""
+        if req.status != RequestStatus.RUNNING or req.request_id in scheduled:   # preempted earlier
+            return budget
+        n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
+        ok, returned = self._grow(req, n, scheduled, out)
+        budget += returned
+        if ok:
+            scheduled[req.request_id] = self._add(out, req, n)
+            budget -= n
+        return budget
+
+    def _schedule_by_rank(self, out: SchedulerOutput, budget: int, scheduled: dict[str, ScheduledSeq]) -> None:
+        """After the decodes, the rest of the budget goes by rank (priority, then arrival) to running
+        prefill chunks and to requests coming in from the queue (swapped ones back, waiting ones
+        admitted): a better-ranked arrival gets its tokens before worse-ranked chunks. The queue is
+        served in rank order only: once its head cannot come in, nobody behind it does this step."""
+        prefills = [r for r in self.running if r.request_id not in scheduled]   # already by rank
+        held_back: list[Request] = []
+        admitting, i = True, 0
+        self._reserved = None
+        while budget > 0:
+            while i < len(prefills) and prefills[i].status != RequestStatus.RUNNING:
+                i += 1
+            nxt = prefills[i] if i < len(prefills) else None
+            head = self._queue_head(held_back) if admitting else None
+            if head is not None and (nxt is None or victim_key(head) < victim_key(nxt)):
+                n = self._bring_in(head, out, budget)
+                if n:
+                    scheduled[head.request_id] = out.scheduled[-1]
+                    budget -= n
+                else:
+                    admitting = False
+                continue
+            if nxt is None:
+                break
+            i += 1
+            budget = self._schedule_chunk(nxt, out, budget, scheduled)
+        for req in held_back:
+            self.waiting.push(req)
+
+    def _queue_head(self, held_back: list[Request]) -> Request | None:
+        """The best-ranked queued request (waiting or swapped) that can come in now; followers
+        waiting for their leader's prefill are set aside for this step."""
+        while True:
+            req = self.waiting.peek()
+            if req is None or not self._waits_for_leader(req):
+                return req
+            held_back.append(self.waiting.pop())
+
+    def _bring_in(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Admit the queue's head (or swap it back in) with its first chunk; returns the chunk's
+        tokens, 0 if it does not fit (slots, or memory under the admission policy)."""
+        if len(self.running) >= self.config.max_num_seqs or req.preempted_step == self.step:
+            return 0   # (a request preempted in this step does not come back in the same step)
+        swapped = req.status == RequestStatus.SWAPPED
+        cached = [] if swapped else self.kv.find_cached_prefix(req)
+        lifetime, need_now = self._entry_blocks(req, cached, budget)
+        reserved = self._reserved_blocks()
+        if (self.running and lifetime + reserved + self._buffer() > self.kv.num_free_blocks) \
+                or need_now > self.kv.num_free_blocks:
+            self.stats.admission_deferrals += 1
+            return 0
+        self.waiting.pop()
+        if swapped:
+            out.swap_in.extend(self.kv.swap_in(req))
+            self.swapped.remove(req)
+            self.stats.num_swaps_in += 1
+        else:
+            req.num_computed_tokens = len(cached) * self.kv.block_size
+            self.kv.record_prefix_lookup(req, len(cached))
+        n = self._first_chunk(req, budget)
+        ok = self.kv.allocate(req, n, cached)
+        assert ok, "the admission check counted the blocks of the first chunk"
+        self._resume(req)
+        self._add(out, req, n)
+        self._reserved = reserved + self._future_blocks(req)
+        return n
+
+    def _first_chunk(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
+
+    def _entry_blocks(self, req: Request, cached: list[int], budget: int) -> tuple[int, int]:
+        """(free blocks it is predicted to take over its life, free blocks it takes now) for a
+        queued request coming in: a waiting one with these prefix-cache hits, or a swapped one
+        (its host blocks come back; the blocks it shares stayed on the device)."""
+        predicted = self.kv.blocks_for(self.admission.predicted_total(req))
+        if req.status == RequestStatus.SWAPPED:
+            held = self.kv.num_swapped_blocks(req.request_id) + self.kv.num_pinned(req.request_id)
+            first = self.kv.blocks_for(req.num_computed_tokens + self._first_chunk(req, budget))
+            now = self.kv.num_swapped_blocks(req.request_id) + max(0, first - held)
+            return max(now, predicted - self.kv.num_pinned(req.request_id)), now
+        revived = self.kv.num_revived(cached)
+        computed = len(cached) * self.kv.block_size
+        first = self.kv.blocks_for(computed + min(req.num_tokens - computed, budget, self.config.prefill_chunk_cap))
+        now = max(0, first - len(cached)) + revived
+        return max(now, predicted - len(cached) + revived), now
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running requests are still predicted to need (cached within a step until a
+        preemption or admission changes the running set)."""
+        if self._reserved is None:
+            self._reserved = sum(self._future_blocks(r) for r in self.running)
+        return self._reserved
+
+    def _buffer(self) -> int:
+        return int(self.admission.buffer_fraction * self.kv.num_blocks)
 
     def _grow(self, req: Request, n: int, scheduled: dict[str, ScheduledSeq],
               out: SchedulerOutput) -> tuple[bool, int]:
-        """Allocate room for n more tokens, preempting lower-ranked requests (or req itself)
-        if memory is short. A victim already scheduled in this step is taken out of the step
-        again, so a high-priority prefill never gives way to a low-priority decode.
+        """Allocate room for n more tokens, preempting running requests ranked below req if memory
+        is short (a victim already scheduled in this step is taken out of the step again, so a
+        high-priority prefill never gives way to a low-priority decode). If even all of them could
+        not make room, req gives way itself and nobody else is preempted for nothing.
         Returns (success, tokens of budget given back by un-scheduled victims)."""
+        if self.kv.allocate(req, n):
+            return True, 0
+        short = self.kv.blocks_needed(req, n) - self.kv.num_free_blocks
+        mode, costs = self.config.preemption_mode, self.costs
+        eligible = eligible_victims(self.running, req, self.step, self.config.min_resident_steps, self.kv)
+        if sum(self._blocks_freed_by(eligible)) < short:
+            self._preempt(req, out)
+            return False, 0
         returned = 0
-        while not self.kv.allocate(req, n):
-            victim = choose_victim(self.running, req, self.step, self.config.min_resident_steps)
+        for victim in order_victims(eligible, self.kv, mode, costs, self.config.victim_policy):
             if victim.request_id in scheduled:
                 returned += self._unschedule(out, scheduled.pop(victim.request_id))
             self._preempt(victim, out)
-            if victim is req:
-                return False, returned
-        return True, returned
+            if self.kv.allocate(req, n):
+                return True, returned
+        raise AssertionError("the victims freed fewer blocks than counted")
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        head = self.waiting.peek()
-        if head is not None and self._waits_for_leader(head):
-            head = None   # held back this step anyway (see _admit)
-        for req in sorted(self.swapped, key=victim_key):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            if head is not None and victim_key(head) < victim_key(req):
-                break   # a better-ranked waiting request gets the room first
-            held = self.kv.num_swapped_blocks(req.request_id)
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
-            extra = self.kv.blocks_for(req.num_computed_tokens + n) - held
-            if held + max(0, extra) > self.kv.num_free_blocks:
-                break
-            out.swap_in.extend(self.kv.swap_in(req))
-            self.swapped.remove(req)
-            self._resume(req)
-            ok = self.kv.allocate(req, n)
-            assert ok
-            self._add(out, req, n)
-            budget -= n
-            self.stats.num_swaps_in += 1
-        return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        reserved = sum(self._future_blocks(r) for r in self.running)
-        buffer = int(self.admission.buffer_fraction * self.kv.num_blocks)
-        held_back: list[Request] = []
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None:
-                break
-            if self._waits_for_leader(req):
-                held_back.append(self.waiting.pop())
-                continue
-            cached = self.kv.find_cached_prefix(req)
-            lifetime = self._lifetime_blocks(req, cached)
-            if self.running and lifetime + reserved + buffer > self.kv.num_free_blocks:
-                self.stats.admission_deferrals += 1
-                break
-            req.num_computed_tokens = len(cached) * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
-            if not self.kv.allocate(req, n, cached):
-                req.num_computed_tokens = 0
-                self.stats.admission_deferrals += 1
-                break
-            self.kv.record_prefix_lookup(req, len(cached))
-            self.waiting.pop()
-            self._resume(req)
-            self._add(out, req, n)
-            budget -= n
-            reserved += self._future_blocks(req)
-        for req in held_back:
-            self.waiting.push(req)
+    def _blocks_freed_by(self, victims: list[Request]) -> list[int]:
+        mode = self.config.preemption_mode
+        swaps = [victim_cost(mode, v, self.kv, self.costs).mode == "swap" for v in victims]
+        return self.kv.blocks_freed_by(victims, swaps)
 
     def _admit_static_batch(self) -> None:
         """Static batching: a fixed batch admitted together; nobody joins until all finish."""
@@ -245,69 +331,83 @@ class Scheduler:
             self._resume(req)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """A waiting request of better priority takes the place of worse-ranked running ones.
+        """The queue's head (waiting or swapped) takes the place of running requests of worse priority.
 
-        Victims (worse priority, past their residency) are taken worst-first until the head
-        would pass the admission check; if even all of them would not make room, nobody is
+        Victims are taken in preemption order (worst priority, then cheapest to bring back) until
+        the head would pass the entry check, counting only the blocks preemption really frees
+        (not blocks shared with survivors). If even all of them would not make room, nobody is
         preempted (their work would be lost for nothing).
         """
         head = self.waiting.peek()
         if head is None or self._waits_for_leader(head):
             return   # a head held back for its leader's prefill would not use the room
-        victims = sorted((r for r in self.running if r.priority > head.priority
-                          and self.step - r.resumed_step >= self.config.min_resident_steps),
-                         key=victim_key, reverse=True)
+        victims = [r for r in self.running if r.priority > head.priority]
         if not victims:
             return
         need_slot = len(self.running) >= self.config.max_num_seqs
-        shortfall = self._admission_shortfall(head)
-        if not need_slot and shortfall <= 0:
+        budget = self.config.max_num_batched_tokens
+        cached = [] if head.status == RequestStatus.SWAPPED else self.kv.find_cached_prefix(head)
+        lifetime, need_now = self._entry_blocks(head, cached, budget)
+        self._reserved = None
+        free = self.kv.num_free_blocks
+        short_check = lifetime + self._reserved_blocks() + self._buffer() - free
+        short_now = need_now - free
+        if not need_slot and short_check <= 0 and short_now <= 0:
             return
-        chosen, freed = [], 0
-        for v in victims:
-            if (chosen or not need_slot) and freed >= shortfall:
+        chosen = []
+        ordered = order_victims(victims, self.kv, self.config.preemption_mode, self.costs,
+                                self.config.victim_policy)
+        for v, freed in zip(ordered, self._blocks_freed_by(ordered)):
+            if (chosen or not need_slot) and short_check <= 0 and short_now <= 0:
                 break
             chosen.append(v)
-            freed += self.kv.num_held(v.request_id) + self._future_blocks(v)
-        if freed < shortfall:
-            return
+            short_now -= freed
+            short_check -= freed + self._future_blocks(v)
+        if short_now > 0 or (short_check > 0 and len(chosen) < len(self.running)):
+            return   # (with every running request gone the head would be admitted alone)
         for v in chosen:
             self._preempt(v, out)
             self.stats.num_priority_preemptions += 1
 
-    def _admission_shortfall(self, req: Request) -> int:
-        """Blocks missing for req to pass _admit's check now (<= 0: it would be admitted)."""
-        lifetime = self._lifetime_blocks(req, self.kv.find_cached_prefix(req))
-        reserved = sum(self._future_blocks(r) for r in self.running)
-        buffer = int(self.admission.buffer_fraction * self.kv.num_blocks)
-        return lifetime + reserved + buffer - self.kv.num_free_blocks
-
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
-        mode = choose_mode(self.config.preemption_mode, self.kv.num_held(victim.request_id),
-                           victim.num_computed_tokens, self.kv.num_free_host_blocks,
-                           self.config.swap_cost_per_block, self.config.recompute_cost_per_token)
-        if mode == "swap":
+        self._reserved = None
+        choice = victim_cost(self.config.preemption_mode, victim, self.kv, self.costs)
+        if victim.resumed_step == self.step and victim.swapped_in_step == self.step:
+            choice.mode = "recompute"   # its swap-in copy is still pending: its blocks hold nothing yet
+        if choice.mode == "swap":
             out.swap_out.extend(self.kv.swap_out(victim))
             out.swapped_out_ids.append(victim.request_id)
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
             self.stats.num_swaps_out += 1
+            self.stats.blocks_swapped_out += choice.copied
         else:
+            self.stats.tokens_recomputed += max(0, victim.num_computed_tokens
+                                                - self.kv.num_shared_prefix_tokens(victim))
             self.kv.free(victim)
-            victim.num_computed_tokens = 0
+            victim.reset_computed()
             victim.status = RequestStatus.WAITING
-            self.waiting.push(victim)   # same (priority, arrival_seq): it keeps its place
             self.stats.num_recomputes += 1
+        self.waiting.push(victim)   # same (priority, arrival_seq): it keeps its place in the queue
         victim.metrics.num_preemptions += 1
+        victim.preempted_step = self.step
         self.stats.num_preemptions += 1
+        self.stats.preemption_cost += choice.cost
+
+    def _unpin_swapped(self) -> None:
+        """Nothing runs, yet the queue's head cannot come in: device blocks pinned by swapped
+        requests (shared blocks whose other holders finished) are in its way. Those requests
+        drop their KV and will be recomputed (rare; without it the engine would stall)."""
+        for req in [r for r in self.swapped if self.kv.num_pinned(r.request_id)]:
+            self.swapped.remove(req)
+            self.kv.free(req)
+            req.reset_computed()
+            req.status = RequestStatus.WAITING
+            self.waiting.now_waiting(req)
+            self.stats.num_recomputes += 1
 
     # ---- helpers -------------------------------------------------------------------------
-    def _lifetime_blocks(self, req: Request, cached: list[int]) -> int:
-        """New free blocks a waiting request is predicted to take over its life: its predicted
-        length, less shared prefix-cache hits, plus hits that must be revived from the free queue."""
-        return self.kv.blocks_for(self.admission.predicted_total(req)) - len(cached) + self.kv.num_revived(cached)
-
     def _future_blocks(self, req: Request) -> int:
         """Blocks the request is predicted to still need beyond what it holds."""
         return max(0, self.kv.blocks_for(self.admission.predicted_total(req)) - self.kv.num_held(req.request_id))
@@ -319,9 +419,12 @@ class Scheduler:
         return leader.num_computed_tokens < leader.num_prompt_tokens
 
     def _resume(self, req: Request) -> None:
+        if req.status == RequestStatus.SWAPPED:
+            req.swapped_in_step = self.step
         req.status = RequestStatus.RUNNING
         req.resumed_step = self.step
         self.running.append(req)
+        self._reserved = None
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = self.clock()
 
@@ -425,5 +528,5 @@ class Scheduler:
                  num_free_kv_blocks=self.kv.num_free_blocks,
                  prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                  prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
-                 prefix_cache_evictions=pool.evictions)
+                 prefix_cache_evictions=pool.evictions, prefix_cache_mismatches=pool.mismatches)
         return d

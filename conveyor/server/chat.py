@@ -40,7 +40,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = fit_to_context(state.client, prompt, params, "messages", max_param)
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-    streams = submit(state.client, job.id, [prompt], [params], req.priority)
+    streams = submit(state.client, job.id, [prompt], [params], req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage, tools), state.client, streams)

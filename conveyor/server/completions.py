@@ -27,7 +27,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = await off_loop_if_big(text_chars(req.prompt), completion_prompts, state.client, req.prompt)
     per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
     job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-    streams = submit(state.client, job.id, prompts, per_prompt, req.priority)
+    streams = submit(state.client, job.id, prompts, per_prompt, req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)

@@ -23,8 +23,11 @@ class Prompt:
     text: str | None
     token_ids: list[int]
 
-    def engine_input(self) -> dict:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+    def engine_input(self, cache_salt: str | None = None) -> dict:
+        d = {"prompt": self.text, "prompt_token_ids": self.token_ids}
+        if cache_salt is not None:
+            d["cache_salt"] = cache_salt
+        return d
 
 
 # ---- prompts --------------------------------------------------------------------------------
@@ -167,7 +170,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
             repetition_penalty=given(req.repetition_penalty, 1.0), ignore_eos=req.ignore_eos,
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output, max_queue_time=req.max_queue_time)
     except ValueError as e:
         message = str(e)
         param = message.split(" ", 1)[0]

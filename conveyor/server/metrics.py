@@ -57,8 +57,20 @@ class EngineStatsCollector(Collector):
         yield counter("prompt_tokens", "Prefill tokens computed (recomputation included, cache hits not).",
                       "prompt_tokens_total")
         yield counter("generation_tokens", "Tokens generated.", "generation_tokens_total")
+        yield counter("prefix_cache_mismatches", "Prefix-cache keys that led to a block with other tokens or "
+                      "another parent (a hash collision or a stale entry): counted as misses.",
+                      "prefix_cache_mismatches")
+        yield counter("preemption_blocks_swapped", "KV blocks copied to host memory by swap preemption (blocks "
+                      "shared with other requests stay on the device).", "blocks_swapped_out")
+        yield counter("preemption_tokens_recomputed", "Computed tokens thrown away by recompute preemption (less "
+                      "the prefix other requests still hold).", "tokens_recomputed")
         yield counter("engine_step_failures", "Engine steps whose forward pass, sampling or swap copy raised "
                       "(their requests failed, the engine went on).", "step_failures")
+        yield counter("request_queue_timeouts", "Requests failed because they waited longer than their "
+                      "max_queue_time for their first scheduling (answered 503).", "num_queue_timeouts")
+        yield counter("kv_invariant_violations", "Transitions to idle at which the KV cache was not whole (a "
+                      "leaked block, a stray ref count or table; logged as errors, the engine went on).",
+                      "kv_invariant_violations")
         yield gauge("engine_dead", "1 once the engine stopped serving (repeated step failures).",
                     lambda s, _: float(s["engine_dead"]))
         yield gauge("replica_up", "1 while the engine replica serves (0: stopped, died or shutting down).",

@@ -49,11 +49,14 @@ class SamplingFields(_Body):
     store: bool | None = None
     service_tier: str | None = None
     priority: int = 0                      # extension: lower runs first
+    max_queue_time: float | None = None    # extension: seconds it may wait for its first scheduling (else a 503)
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     allowed_token_ids: list[int] | None = None   # vLLM extensions
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM: prefix-cache blocks are shared only among requests with the same salt (a non-empty string).
+    cache_salt: str | None = Field(default=None, min_length=1)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -114,6 +117,7 @@ class ResponsesRequest(_Body):
     seed: int | None = None
     stream: bool = False
     text: dict[str, Any] | None = None       # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    cache_salt: str | None = Field(default=None, min_length=1)   # vLLM, as on completions
     store: bool | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None

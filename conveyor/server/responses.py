@@ -96,7 +96,7 @@ async def create_response(state: ServerState, req: ResponsesRequest, raw: Reques
     prompt = await off_loop_if_big(text_chars(messages), chat_prompt, state.client, messages, True)
     params = fit_to_context(state.client, prompt, params, "input", "max_output_tokens")
     rid, item_id, created = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time())
-    streams = submit(state.client, rid, [prompt], [params], 0)
+    streams = submit(state.client, rid, [prompt], [params], 0, req.cache_salt)
     if req.stream:
         return EngineStreamingResponse(_events(state, req, model, rid, item_id, created, streams), state.client,
                                        streams)

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overloaded, RequestStream
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
 from conveyor.server.errors import APIError
 from conveyor.server.inputs import Prompt
 
@@ -38,13 +39,13 @@ class Job:
 
 
 def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: list[SamplingParams],
-           priority: int) -> list[RequestStream]:
+           priority: int, cache_salt: str | None = None) -> list[RequestStream]:
     """One engine request per prompt (`base_id`-i); all or none: on failure the rest is aborted."""
     streams: list[RequestStream] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(client.add_request(prompt.engine_input(), sp, rid, priority))
+            streams.append(client.add_request(prompt.engine_input(cache_salt), sp, rid, priority))
     except Overloaded as e:
         abort(client, streams)
         raise APIError(503, f"the server is overloaded: {e}; retry later", code="overloaded",
@@ -104,6 +105,8 @@ async def collect_finals(client: EngineClient, streams: list[RequestStream]) -> 
 def check_output(out: RequestOutput) -> None:
     """Raise the APIError an engine-side failure or a shutdown abort stands for."""
     if out.error is not None:
+        if out.error_code == QUEUE_TIMEOUT:   # overloaded, nothing ran: retry later (as for a full queue)
+            raise APIError(503, out.error, code=QUEUE_TIMEOUT, headers={"Retry-After": str(RETRY_AFTER_S)})
         raise APIError(500, f"the request failed in the engine: {out.error}")
     if any(c.finish_reason == "abort" for c in out.outputs):
         raise APIError(503, "the request was aborted: the server is shutting down", code="unavailable",

@@ -21,6 +21,8 @@ from typing import Protocol
 
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import SchedulerOutput
+from conveyor.scheduler.preemption import (DEFAULT_RECOMPUTE_COST_PER_TOKEN, DEFAULT_SWAP_COST_PER_BLOCK,
+                                           PreemptionCosts)
 
 
 class CostModel(Protocol):
@@ -32,11 +34,29 @@ class CostModel(Protocol):
 
 
 def with_preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> SchedulerConfig:
-    """The scheduler's knobs with the auto preemption mode's costs taken from a cost model."""
+    """The scheduler's knobs with the auto preemption mode's costs that the user left unset
+    (None) taken from a cost model; a cost the user set wins over the model."""
     if cost is None:
         return config
-    return replace(config, swap_cost_per_block=cost.swap_time(1),
-                   recompute_cost_per_token=cost.recompute_time_per_token())
+    return replace(config, swap_cost_per_block=_first(config.swap_cost_per_block, lambda: cost.swap_time(1)),
+                   recompute_cost_per_token=_first(config.recompute_cost_per_token,
+                                                   cost.recompute_time_per_token))
+
+
+def preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> PreemptionCosts:
+    """What the scheduler's per-victim choice uses: the user's constants, else the cost model's
+    swap time per block and its step-cost curve for recomputing n tokens (attention included,
+    so a long recomputation costs more per token than a short one)."""
+    filled = with_preemption_costs(config, cost)
+    costs = PreemptionCosts(filled.swap_cost_per_block or DEFAULT_SWAP_COST_PER_BLOCK,
+                            filled.recompute_cost_per_token or DEFAULT_RECOMPUTE_COST_PER_TOKEN)
+    if cost is not None and config.recompute_cost_per_token is None:
+        costs.recompute_time = lambda n: n * cost.recompute_time_per_token(n)
+    return costs
+
+
+def _first(value: float | None, fallback) -> float:
+    return value if value is not None else fallback()
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ from conveyor.kv.manager import KVCacheManager
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.sim.cost import CostModel, StepCostModel, with_preemption_costs
+from conveyor.sim.cost import CostModel, StepCostModel, preemption_costs
 from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
 from conveyor.sim.workload import TOKEN_RANGE, SimRequest
 
@@ -166,7 +166,9 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
                  cost: CostModel, prefix_caching: bool, trace: bool, detail: bool = False) -> Replica:
     clock, oracle = SimClock(), OracleLengths()
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
-    core = EngineCore(Scheduler(config, kv), CostModelExecutor(cost, clock, oracle), clock)
+    # as the engine does: the auto mode decides with the cost model's costs (unless the user set them)
+    core = EngineCore(Scheduler(config, kv, costs=preemption_costs(config, cost)),
+                      CostModelExecutor(cost, clock, oracle), clock)
     if trace:
         core.tracer = StepTracer(detail=detail, meta={"source": "simulator"})
     return Replica(core, oracle, clock, clock.wait_until)
@@ -194,7 +196,6 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
     """Run the workload through `replicas` simulated engines (each with its own KV cache of
     num_blocks blocks) behind a router; returns per-request records, stats and optional traces."""
     cost = cost or StepCostModel()
-    config = with_preemption_costs(config, cost)   # as the engine does: the auto mode uses the model's costs
     reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace)
             for _ in range(replicas)]
     records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)

@@ -49,11 +49,15 @@ def test_profile_fits_the_runner_and_drives_auto_preemption(make_engine, tmp_pat
     model.save(path)
     loaded = StepCostModel.load(path)
     assert loaded.knots == model.knots and loaded.token_cost(3) == pytest.approx(model.token_cost(3))
-    sched = make_engine(cost_model=str(path)).scheduler.config
-    assert sched.swap_cost_per_block == pytest.approx(model.swap_block)
-    assert sched.recompute_cost_per_token == pytest.approx(model.recompute_time_per_token())
-    default = make_engine(cost_model="none").scheduler.config
-    assert (default.swap_cost_per_block, default.recompute_cost_per_token) == (2e-4, 1e-3)
+    costs = make_engine(cost_model=str(path)).scheduler.costs
+    assert costs.swap(3) == pytest.approx(2 * 3 * model.swap_block)
+    for n in (16, 300):   # the profile's step-cost curve, attention included
+        assert costs.recompute(n) == pytest.approx(n * model.recompute_time_per_token(n))
+    default = make_engine(cost_model="none").scheduler.costs
+    assert (default.swap(1), default.recompute(10)) == (2 * 2e-4, 10 * 1e-3)
+    # costs the user set win over the profile
+    mine = make_engine(cost_model=str(path), swap_cost_per_block=5e-3, recompute_cost_per_token=7e-3).scheduler.costs
+    assert (mine.swap(1), mine.recompute(10)) == (pytest.approx(2 * 5e-3), pytest.approx(10 * 7e-3))
     with pytest.raises(ValueError, match="not a step cost model"):
         (tmp_path / "bad.json").write_text('{"kind": "other"}')
         make_engine(cost_model=str(tmp_path / "bad.json"))

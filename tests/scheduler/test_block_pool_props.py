@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
 from conveyor.kv.block_pool import BlockPool
-from conveyor.kv.manager import KVCacheManager, chain_hash
+from conveyor.kv.manager import KVCacheManager, block_content, chain_hash
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
 
@@ -25,10 +25,11 @@ def new_request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, list(tokens), SamplingParams(max_tokens=64, temperature=0))
 
 
-def chain_hashes(tokens: list[int], block_size: int, upto: int) -> list[int]:
-    out: list[int] = []
+def chain_hashes(tokens: list[int], block_size: int, upto: int) -> list[bytes]:
+    """The prefix-cache keys of an unsalted sequence's full blocks, computed independently."""
+    out: list[bytes] = []
     for i in range(upto // block_size):
-        out.append(chain_hash(out[-1] if out else None, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        out.append(chain_hash(out[-1] if out else None, block_content(tokens[i * block_size:(i + 1) * block_size])))
     return out
 
 
@@ -130,7 +131,11 @@ class KVMachine(RuleBasedStateMachine):
         hashes = chain_hashes(tokens, self.bs, req.num_tokens - 1)
         assert cached == [kv.pool.cached[h] for h in hashes[:len(cached)]]
         if len(cached) < len(hashes):
-            assert hashes[len(cached)] not in kv.pool.cached
+            # the next block is not cached, or only as one computed after another publication of
+            # its parent (a stale entry: never a hit)
+            nxt = kv.pool.cached.get(hashes[len(cached)])
+            parent = kv.pool.blocks[cached[-1]].pub_id if cached else 0
+            assert nxt is None or kv.pool.blocks[nxt].parent != parent
         assert kv.find_cached_prefix(req) == cached, "lookup is not a pure query"
         for i, b in enumerate(cached):   # a hit holds exactly these tokens
             assert self.device[b] == tokens[i * self.bs:(i + 1) * self.bs]
@@ -195,7 +200,7 @@ class KVMachine(RuleBasedStateMachine):
         req = self.reqs.pop(rid)
         kv = self.kv
         refs_before = self._refs()
-        table = list(kv.tables.get(rid, []))
+        table = list(kv.tables.get(rid) or [b for b in kv.swapped_tables.get(rid, []) if b is not None])
         host_free = kv.host.num_free
         host_held = len(kv.host_tables.get(rid, []))
         kv.free(req)
@@ -213,20 +218,24 @@ class KVMachine(RuleBasedStateMachine):
         if self.where.get(rid) != "device":
             return
         req = self.reqs[rid]
-        if not kv.can_swap_out(req):
-            assert kv.num_held(rid) > kv.host.num_free
-            return
         table = list(kv.tables[rid])
-        host_free = set(kv.host.free_ids)
         refs_before = self._refs()
+        moved = [b for b in table if refs_before[b] == 1]   # shared blocks stay on the device
+        if not kv.can_swap_out(req):
+            assert len(moved) > kv.host.num_free
+            return
+        host_free = set(kv.host.free_ids)
         mapping = kv.swap_out(req)
-        assert [d for d, _ in mapping] == table
+        assert [d for d, _ in mapping] == moved
         hosts = [h for _, h in mapping]
         assert len(set(hosts)) == len(hosts) and set(hosts) <= host_free
         assert kv.host_tables[rid] == hosts and rid not in kv.tables
+        assert kv.swapped_tables[rid] == [None if refs_before[b] == 1 else b for b in table]
+        for b in table:
+            assert self.kv.pool.blocks[b].ref_count == refs_before[b] - (refs_before[b] == 1)
         for d, h in mapping:
             self.host[h] = list(self.device[d])
-        self._note_released(table, refs_before)
+        self._note_released(moved, refs_before)
         self.where[rid] = "host"
         event("swap out")
 
@@ -242,10 +251,13 @@ class KVMachine(RuleBasedStateMachine):
             return
         plain_free, cached_free = self._free_sets()
         refs_before = self._refs()
+        kept = list(kv.swapped_tables[rid])
         mapping = kv.swap_in(req)
+        kv.end_step()   # the step that swapped it in is planned
         assert [h for h, _ in mapping] == host
         devs = [d for _, d in mapping]
-        assert kv.tables[rid] == devs
+        fresh = iter(devs)
+        assert kv.tables[rid] == [b if b is not None else next(fresh) for b in kept]
         for d in devs:
             assert refs_before[d] == 0 and self.kv.pool.blocks[d].ref_count == 1
             assert self.kv.pool.blocks[d].block_hash is None
@@ -271,9 +283,10 @@ class KVMachine(RuleBasedStateMachine):
         kv, pool = self.kv, self.kv.pool
         kv.check_invariants(set(self.reqs))
         owners: dict[int, int] = {}
-        for t in kv.tables.values():
+        for t in [*kv.tables.values(), *kv.swapped_tables.values()]:
             for b in t:
-                owners[b] = owners.get(b, 0) + 1
+                if b is not None:
+                    owners[b] = owners.get(b, 0) + 1
         for block in pool.blocks:
             b = block.block_id
             assert (b in pool.free) != (owners.get(b, 0) > 0), f"block {b} is both or neither free and owned"
@@ -292,10 +305,14 @@ class KVMachine(RuleBasedStateMachine):
         assert sorted(used + kv.host.free_ids) == list(range(kv.host.num_blocks))
         # content: every computed position of a resident request holds its own token
         for rid, req in self.reqs.items():
-            table = kv.tables.get(rid) if self.where[rid] == "device" else kv.host_tables[rid]
-            mem = self.device if self.where[rid] == "device" else self.host
+            if self.where[rid] == "device":
+                places = [(self.device, b) for b in kv.tables.get(rid, [])]
+            else:   # swapped: its unshared blocks on the host, the shared ones still on the device
+                hosts = iter(kv.host_tables[rid])
+                places = [(self.host, next(hosts)) if b is None else (self.device, b) for b in kv.swapped_tables[rid]]
             for pos in range(req.num_computed_tokens):
-                assert mem[table[pos // self.bs]][pos % self.bs] == req.all_token_ids[pos], (rid, pos)
+                mem, b = places[pos // self.bs]
+                assert mem[b][pos % self.bs] == req.all_token_ids[pos], (rid, pos)
         if not self.reqs:
             assert kv.num_free_blocks == kv.num_blocks and kv.host.num_free == kv.host.num_blocks
 
@@ -413,6 +430,7 @@ def test_swap_round_trip_mappings():
     assert not kv.can_swap_in(a)                           # 3 host blocks, 1 device block free
     kv.free(big)
     inn = kv.swap_in(a)
+    kv.end_step()
     assert [h for h, _ in inn] == [h for _, h in out] and kv.host.num_free == 4
     kv.check_invariants({"a"})
     kv.free(a)

@@ -135,7 +135,32 @@ class FakeExecutor:
                 assert k == req.num_output_tokens
                 eos = req.out_len is not None and k == req.out_len - 1
                 tokens.append(EOS if eos else token_at(s.sampling.seed, k))
-        return ModelOutput(tokens)
+        return ModelOutput(tokens, prompt_logprobs=self._prompt_logprobs(plan) or None,
+                           pooled=self._pooled(plan) or None)
+
+    @staticmethod
+    def _prompt_logprobs(plan: SchedulerOutput) -> dict:
+        """Prompt logprobs as a pure function of (position, token): the entry for prompt
+        position p is {token: -p}. A chunk starting at c gives positions c+1 ... ."""
+        out = {}
+        for s in plan.scheduled:
+            if s.prompt_targets:
+                c = s.num_computed_tokens
+                out[s.request_id] = [{t: -float(c + 1 + j)} for j, t in enumerate(s.prompt_targets)]
+        return out
+
+    def _pooled(self, plan: SchedulerOutput) -> dict:
+        """Hidden states as a pure function of (position, token): row p is [token * (p + 1)]."""
+        out = {}
+        for s in plan.scheduled:
+            if s.pooling is not None:
+                import torch
+
+                c = s.num_computed_tokens
+                rows = range(c, c + s.num_tokens) if s.pooling == "mean" else [c + s.num_tokens - 1]
+                out[s.request_id] = torch.tensor([float(sum(s.token_ids[p - c] * (p + 1) for p in rows))],
+                                                 dtype=torch.float64)
+        return out
 
 
 @dataclass
@@ -243,7 +268,7 @@ class Sim:
             assert s.num_tokens >= 1
             assert s.num_computed_tokens == req.num_computed_tokens
             assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
-            assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens)
+            assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens and req.params.pooling is None)
             assert s.block_table == kv.block_table(rid)
             assert len(s.block_table) * kv.block_size >= req.num_computed_tokens + s.num_tokens
             assert s.num_tokens <= cfg.prefill_chunk_cap
@@ -258,7 +283,7 @@ class Sim:
         assert set(sched.requests) == live
         kv.check_invariants(live)
         # every block is in exactly one place
-        owned = {b for t in kv.tables.values() for b in t}
+        owned = {b for t in [*kv.tables.values(), *kv.swapped_tables.values()] for b in t if b is not None}
         free = set(kv.pool.free)
         assert not owned & free and owned | free == set(range(kv.num_blocks))
         assert len(set(kv.host.free_ids)) == len(kv.host.free_ids)
@@ -294,7 +319,8 @@ class Sim:
         kv = self.kv
         assert kv.num_free_blocks == kv.num_blocks
         assert kv.num_free_host_blocks == kv.num_host_blocks
-        assert not kv.tables and not kv.host_tables and not kv.hashes and not kv.num_registered
+        assert not kv.tables and not kv.host_tables and not kv.swapped_tables and not kv.hashes
+        assert not kv.num_registered
         assert not self.sched.running and not self.sched.swapped and len(self.sched.waiting) == 0
 
     def run(self, max_steps: int) -> int:
@@ -307,7 +333,7 @@ class Sim:
 
     def check_outputs(self) -> None:
         for rid, r in self.all.items():
-            if r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            if r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and r.params.pooling is None:
                 assert r.output_token_ids == expected_output(r), rid
 
 
@@ -530,5 +556,11 @@ def test_request_larger_than_the_cache_is_reported(mode):
     (rejected up front, or finished by length when it runs out of room), not loop forever."""
     cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, preemption_mode=mode)
     sim = Sim(cfg, num_blocks=4, block_size=2, num_host_blocks=8)
-    sim.add(make_request("big", [1, 2, 3], 20, ignore_eos=True))
+    big = sim.add(make_request("big", [1, 2, 3], 20, ignore_eos=True))
     sim.run(200)
+    # it ran until the whole cache (8 tokens) was full, was never preempted, and ended by length
+    assert big.status == RequestStatus.FINISHED_LENGTH and big.num_tokens == 8
+    assert big.metrics.num_preemptions == 0 and big.output_token_ids == expected_output(big)
+    with pytest.raises(ValueError, match="KV blocks"):   # a prompt that alone exceeds the cache: refused
+        sim.add(make_request("huge", list(range(1, 10)), 1))
+    sim.check_idle()

@@ -12,7 +12,9 @@ EXPECTED = ["conveyor:num_requests_running", "conveyor:num_requests_waiting", "c
             "conveyor:num_preemptions", "conveyor:prompt_tokens", "conveyor:generation_tokens",
             "conveyor:request_success", "conveyor:time_to_first_token_seconds",
             "conveyor:inter_token_latency_seconds", "conveyor:e2e_request_latency_seconds",
-            "conveyor:request_queue_time_seconds"]
+            "conveyor:request_queue_time_seconds", "conveyor:request_queue_timeouts",
+            "conveyor:kv_invariant_violations", "conveyor:prefix_cache_mismatches",
+            "conveyor:preemption_blocks_swapped", "conveyor:preemption_tokens_recomputed"]
 
 
 def test_metrics_parse(server, model_name):
@@ -26,6 +28,10 @@ def test_metrics_parse(server, model_name):
     modes = {s.labels["mode"] for s in families["conveyor:num_preemptions"].samples}
     assert modes == {"swap", "recompute"}
     assert families["conveyor:time_to_first_token_seconds"].type == "histogram"
+    for name in ("conveyor:request_queue_timeouts", "conveyor:kv_invariant_violations",
+                 "conveyor:prefix_cache_mismatches", "conveyor:preemption_blocks_swapped",
+                 "conveyor:preemption_tokens_recomputed"):
+        assert families[name].type == "counter"
 
 
 def test_counters_follow_workload(server, client, model_name):
