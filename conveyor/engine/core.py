@@ -163,16 +163,18 @@ class EngineCore:
         if plan.is_empty:
             return []
         scheduled = [s.request_id for s in plan.scheduled]
-        if self.grammars is not None:
-            try:
-                self._grammar_masks(plan)
-            except Exception as e:   # noqa: BLE001
-                return self._step_failed("computing structured-output masks failed", e, scheduled)
+        # The swap copies go first: the swapped-out requests' device blocks are already released,
+        # so their KV must reach the host before anything else of the step can fail.
         if plan.has_swaps:
             try:
                 self.executor.swap(plan.swap_out, plan.swap_in)
             except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
                 return self._step_failed("a KV swap copy failed", e, scheduled + plan.swapped_out_ids)
+        if self.grammars is not None:
+            try:
+                self._grammar_masks(plan)
+            except Exception as e:   # noqa: BLE001
+                return self._step_failed("computing structured-output masks failed", e, scheduled)
         model_out = ModelOutput([])
         if plan.scheduled:
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.kv.block_pool import BlockPool, PoolStats
@@ -270,22 +270,26 @@ class KVCacheManager:
         blocks = self.pool.blocks
         return sum(1 for b in self.tables.get(request_id, ()) if blocks[b].ref_count == 1)
 
-    def blocks_freed_by(self, requests: list[Request], swaps: list[bool]) -> list[int]:
-        """For running requests preempted in this order (swaps[i]: by swap, else by recompute): the
-        blocks each one's preemption frees. Recompute drops all its blocks, so a block shared only
-        among them is freed by the last of them to go; swap frees only the blocks nobody else
-        holds at that moment (it keeps the shared ones)."""
+    def blocks_freed_by(self, requests: list[Request], swaps: Callable[[Request], bool],
+                        keep: set[int] | frozenset = frozenset()) -> list[int]:
+        """For running requests preempted in this order: the blocks each one's preemption frees.
+        Recompute drops all its blocks, so a block shared only among them is freed by the last of
+        them to go; swap (if `swaps(request)` and the host pool still has room for what it would
+        copy) frees only the blocks nobody else holds at that moment and keeps the shared ones.
+        Blocks in `keep` are not counted."""
         dropped: dict[int, int] = {}
         blocks = self.pool.blocks
+        host_free = self.host.num_free
         out = []
-        for r, swap in zip(requests, swaps):
-            n = 0
-            for b in self.tables.get(r.request_id, ()):
-                last = dropped.get(b, 0) + 1 == blocks[b].ref_count
-                if last or not swap:
-                    dropped[b] = dropped.get(b, 0) + 1
-                    n += last
-            out.append(n)
+        for r in requests:
+            table = self.tables.get(r.request_id, ())
+            last = [b for b in table if dropped.get(b, 0) + 1 == blocks[b].ref_count]
+            swap = len(last) <= host_free and swaps(r)
+            if swap:
+                host_free -= len(last)
+            for b in (last if swap else table):
+                dropped[b] = dropped.get(b, 0) + 1
+            out.append(sum(1 for b in last if b not in keep))
         return out
 
     def num_shared_prefix_tokens(self, request: Request) -> int:

@@ -1,9 +1,9 @@
 """Iteration-level scheduler: one token budget per step, recomposed after every forward pass.
 
-Each step: (0) the queue's head may preempt running requests of worse priority; (1) running
-decodes; (2) the rest of the budget by rank (priority, then arrival) to running prefill chunks
-and to queued requests coming in (swapped ones back, waiting ones admitted under the admission
-policy). The queue holds waiting and swapped requests in one order, so a preempted request
+Each step: (1) running decodes; (2) the rest of the budget by rank (priority, then arrival) to
+running prefill chunks and to queued requests coming in (swapped ones back, waiting ones
+admitted under the admission policy); a queued request that does not fit when its turn comes
+may preempt running requests of worse priority. The queue holds waiting and swapped requests in one order, so a preempted request
 keeps its place whichever way it was preempted. Every request just moves its
 ``num_computed_tokens`` toward its length; there is no separate prefill phase.
 No torch here: the simulator drives this very class with a cost-model executor.
@@ -45,6 +45,8 @@ class SchedulerStats:
     blocks_swapped_out: int = 0           # blocks copied to host by preemption (shared ones stay)
     tokens_recomputed: int = 0            # computed tokens thrown away by recompute preemption
     preemption_cost: float = 0.0          # estimated seconds to bring every victim back
+    num_swaps_dropped: int = 0            # swapped requests whose KV was dropped (see _unpin_swapped)
+    residency_overrides: int = 0          # growths that had to take a resident victim of their priority
     admission_deferrals: int = 0          # steps in which the policy held the queue head back
     num_finished: int = 0
     num_aborted: int = 0
@@ -57,8 +59,10 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic, costs: PreemptionCosts | None = None):
         self.config = config
         # auto preemption: the costs the user set, else the profile's (passed in), else defaults
-        self.costs = costs or PreemptionCosts(config.swap_cost_per_block or DEFAULT_SWAP_COST_PER_BLOCK,
-                                              config.recompute_cost_per_token or DEFAULT_RECOMPUTE_COST_PER_TOKEN)
+        self.costs = costs or PreemptionCosts(
+            DEFAULT_SWAP_COST_PER_BLOCK if config.swap_cost_per_block is None else config.swap_cost_per_block,
+            DEFAULT_RECOMPUTE_COST_PER_TOKEN if config.recompute_cost_per_token is None
+            else config.recompute_cost_per_token)
         self.kv = kv
         self.clock = clock   # timestamps: monotonic time in the engine, simulated time in the simulator
         self.admission = admission or make_admission_policy(
@@ -154,17 +158,18 @@ class Scheduler:
         self.running.sort(key=victim_key)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
-        if self.config.scheduling_policy == "static":
-            self._admit_static_batch()
-            self._schedule_running(out, budget, list(self.running), scheduled)
-        else:
-            self._preempt_for_priority(out)
-            decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-            budget = self._schedule_running(out, budget, decodes, scheduled)
-            self._schedule_by_rank(out, budget, scheduled)
-            if not self.running and self.swapped and not out.scheduled:
-                self._unpin_swapped()
-        self.kv.end_step()   # the plan is built: host blocks its swap-ins read may serve the next one
+        try:
+            if self.config.scheduling_policy == "static":
+                self._admit_static_batch()
+                self._schedule_running(out, budget, list(self.running), scheduled)
+            else:
+                decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+                budget = self._schedule_running(out, budget, decodes, scheduled)
+                self._schedule_by_rank(out, budget, scheduled)
+                if not self.running and self.swapped and not out.scheduled:
+                    self._unpin_swapped()
+        finally:
+            self.kv.end_step()   # the plan is built: host blocks its swap-ins read may serve the next one
         self._record(out)
         return out
 
@@ -205,6 +210,10 @@ class Scheduler:
             head = self._queue_head(held_back) if admitting else None
             if head is not None and (nxt is None or victim_key(head) < victim_key(nxt)):
                 n = self._bring_in(head, out, budget)
+                if not n and head.preempted_step != self.step:
+                    preempted, returned = self._preempt_for_priority(head, out, budget, scheduled)
+                    budget += returned
+                    n = self._bring_in(head, out, budget) if preempted else 0
                 if n:
                     scheduled[head.request_id] = out.scheduled[-1]
                     budget -= n
@@ -289,30 +298,44 @@ class Scheduler:
               out: SchedulerOutput) -> tuple[bool, int]:
         """Allocate room for n more tokens, preempting running requests ranked below req if memory
         is short (a victim already scheduled in this step is taken out of the step again, so a
-        high-priority prefill never gives way to a low-priority decode). If even all of them could
-        not make room, req gives way itself and nobody else is preempted for nothing.
+        high-priority prefill never gives way to a low-priority decode). Victims of req's own
+        priority that resumed less than min_resident_steps ago are spared while others can make
+        room. If even all lower-ranked requests could not make room, req gives way itself and
+        nobody else is preempted for nothing.
         Returns (success, tokens of budget given back by un-scheduled victims)."""
         if self.kv.allocate(req, n):
             return True, 0
         short = self.kv.blocks_needed(req, n) - self.kv.num_free_blocks
-        mode, costs = self.config.preemption_mode, self.costs
-        eligible = eligible_victims(self.running, req, self.step, self.config.min_resident_steps, self.kv)
-        if sum(self._blocks_freed_by(eligible)) < short:
-            self._preempt(req, out)
-            return False, 0
+        victims = self._victims_for(req, short)
         returned = 0
-        for victim in order_victims(eligible, self.kv, mode, costs, self.config.victim_policy):
+        for victim in victims:
             if victim.request_id in scheduled:
                 returned += self._unschedule(out, scheduled.pop(victim.request_id))
             self._preempt(victim, out)
             if self.kv.allocate(req, n):
                 return True, returned
-        raise AssertionError("the victims freed fewer blocks than counted")
+        self._preempt(req, out)   # (the estimate can only be off when victims share blocks)
+        return False, returned
 
-    def _blocks_freed_by(self, victims: list[Request]) -> list[int]:
-        mode = self.config.preemption_mode
-        swaps = [victim_cost(mode, v, self.kv, self.costs).mode == "swap" for v in victims]
-        return self.kv.blocks_freed_by(victims, swaps)
+    def _victims_for(self, req: Request, short: int) -> list[Request]:
+        """The victims, in preemption order, that make `short` blocks of room for req: those past
+        their residency first; the resident ones of req's priority too if needed; none if even
+        all of them would not make room."""
+        for resident in (self.config.min_resident_steps, 0):
+            eligible = eligible_victims(self.running, req, self.step, resident, self.kv)
+            ordered = order_victims(eligible, self.kv, self.config.preemption_mode, self.costs,
+                                    self.config.victim_policy)
+            if sum(self._blocks_freed_by(ordered)) >= short:
+                if resident == 0 and self.config.min_resident_steps > 0:
+                    self.stats.residency_overrides += 1
+                return ordered
+        return []
+
+    def _blocks_freed_by(self, victims: list[Request], keep: set[int] | frozenset = frozenset()) -> list[int]:
+        """Blocks each victim's preemption frees, in this order (see KVCacheManager.blocks_freed_by);
+        blocks in `keep` are not counted (a head's prefix-cache hits: freed, it must take them back)."""
+        mode, costs = self.config.preemption_mode, self.costs
+        return self.kv.blocks_freed_by(victims, lambda v: victim_cost(mode, v, self.kv, costs).mode == "swap", keep)
 
     def _admit_static_batch(self) -> None:
         """Static batching: a fixed batch admitted together; nobody joins until all finish."""
@@ -330,22 +353,22 @@ class Scheduler:
             self.waiting.pop()
             self._resume(req)
 
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """The queue's head (waiting or swapped) takes the place of running requests of worse priority.
+    def _preempt_for_priority(self, head: Request, out: SchedulerOutput, budget: int,
+                              scheduled: dict[str, ScheduledSeq]) -> tuple[bool, int]:
+        """The queue's head (waiting or swapped), reached with `budget` tokens left in this step but
+        short of a slot or memory, takes the place of running requests of worse priority.
 
         Victims are taken in preemption order (worst priority, then cheapest to bring back) until
         the head would pass the entry check, counting only the blocks preemption really frees
-        (not blocks shared with survivors). If even all of them would not make room, nobody is
-        preempted (their work would be lost for nothing).
+        (not blocks shared with survivors, nor the head's own prefix-cache hits, which it would
+        have to take back). If even all of them would not make room, nobody is preempted (their
+        work would be lost for nothing). A victim already scheduled in this step gives its tokens
+        back. Returns (someone was preempted, tokens given back).
         """
-        head = self.waiting.peek()
-        if head is None or self._waits_for_leader(head):
-            return   # a head held back for its leader's prefill would not use the room
         victims = [r for r in self.running if r.priority > head.priority]
         if not victims:
-            return
+            return False, 0
         need_slot = len(self.running) >= self.config.max_num_seqs
-        budget = self.config.max_num_batched_tokens
         cached = [] if head.status == RequestStatus.SWAPPED else self.kv.find_cached_prefix(head)
         lifetime, need_now = self._entry_blocks(head, cached, budget)
         self._reserved = None
@@ -353,21 +376,25 @@ class Scheduler:
         short_check = lifetime + self._reserved_blocks() + self._buffer() - free
         short_now = need_now - free
         if not need_slot and short_check <= 0 and short_now <= 0:
-            return
+            return False, 0
         chosen = []
         ordered = order_victims(victims, self.kv, self.config.preemption_mode, self.costs,
                                 self.config.victim_policy)
-        for v, freed in zip(ordered, self._blocks_freed_by(ordered)):
+        for v, freed in zip(ordered, self._blocks_freed_by(ordered, set(cached))):
             if (chosen or not need_slot) and short_check <= 0 and short_now <= 0:
                 break
             chosen.append(v)
             short_now -= freed
             short_check -= freed + self._future_blocks(v)
         if short_now > 0 or (short_check > 0 and len(chosen) < len(self.running)):
-            return   # (with every running request gone the head would be admitted alone)
+            return False, 0   # (with every running request gone the head would be admitted alone)
+        returned = 0
         for v in chosen:
+            if v.request_id in scheduled:
+                returned += self._unschedule(out, scheduled.pop(v.request_id))
             self._preempt(v, out)
             self.stats.num_priority_preemptions += 1
+        return True, returned
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -405,7 +432,7 @@ class Scheduler:
             req.reset_computed()
             req.status = RequestStatus.WAITING
             self.waiting.now_waiting(req)
-            self.stats.num_recomputes += 1
+            self.stats.num_swaps_dropped += 1
 
     # ---- helpers -------------------------------------------------------------------------
     def _future_blocks(self, req: Request) -> int:

@@ -48,8 +48,8 @@ def preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> Preempt
     swap time per block and its step-cost curve for recomputing n tokens (attention included,
     so a long recomputation costs more per token than a short one)."""
     filled = with_preemption_costs(config, cost)
-    costs = PreemptionCosts(filled.swap_cost_per_block or DEFAULT_SWAP_COST_PER_BLOCK,
-                            filled.recompute_cost_per_token or DEFAULT_RECOMPUTE_COST_PER_TOKEN)
+    costs = PreemptionCosts(_first(filled.swap_cost_per_block, lambda: DEFAULT_SWAP_COST_PER_BLOCK),
+                            _first(filled.recompute_cost_per_token, lambda: DEFAULT_RECOMPUTE_COST_PER_TOKEN))
     if cost is not None and config.recompute_cost_per_token is None:
         costs.recompute_time = lambda n: n * cost.recompute_time_per_token(n)
     return costs

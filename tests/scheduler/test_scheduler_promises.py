@@ -421,3 +421,113 @@ def test_every_request_finishes_in_bound_and_results_equal_an_unpreempted_run(sc
         assert req.prompt_logprobs == ref.prompt_logprobs
         if kind == "mean":
             assert req.pooled.item() == ref.pooled.item()
+
+
+# ---- found in review --------------------------------------------------------------------------------
+
+def test_victims_sharing_blocks_in_mixed_modes_never_kill_the_engine():
+    """Two victims share a prompt; under auto with a tiny host pool one is swapped and one
+    recomputed. The room they make depends on their order (a swapped one keeps the shared
+    blocks): counted in one order and preempted in another, the scheduler used to raise and the
+    core died, failing every request."""
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, long_prefill_token_threshold=32,
+                          preemption_mode="auto", admission_policy="optimistic", min_resident_steps=2,
+                          reservation_buffer=0.0, swap_cost_per_block=2e-4)
+    sim = Sim(cfg, 59, 4, num_host_blocks=2)
+    shared = PREFIXES[1][:34]
+    plan = {1: [make_request(f"G{k}", [7 + k] * 10, 60, ignore_eos=True, seed=10 + k) for k in range(5)],
+            2: [make_request("N1", [31] * 48, 5, ignore_eos=True, seed=21)],
+            4: [make_request("N3", [33] * 60, 6, ignore_eos=True, seed=23)],
+            5: [make_request("V1", shared, 13, ignore_eos=True, priority=1, seed=1)],
+            8: [make_request("V2", shared, 16, ignore_eos=True, priority=1, seed=2)],
+            9: [make_request("N2", [32] * 88, 5, ignore_eos=True, seed=22)],
+            13: [make_request("N0", [30] * 29, 8, ignore_eos=True, seed=20)]}
+    for t in range(1, 40):
+        for r in plan.get(t - 1, []):
+            sim.add(r)
+        sim.step()
+        assert not sim.core.dead, sim.core.dead_reason
+    sim.run(2000)
+    sim.check_outputs()
+    assert all(r.status != RequestStatus.FINISHED_ERROR for r in sim.all.values())
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priority_preemption_does_not_count_the_heads_own_prefix_hits_as_room(mode):
+    """The only low-priority request holds the high-priority head's prefix. Preempting it puts
+    those blocks in the free queue, but the head must take them back: no room gained. It used to
+    be preempted anyway, and the head still did not fit."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, admission_policy="optimistic",
+                          preemption_mode=mode, min_resident_steps=0, reservation_buffer=0.0)
+    sim = Sim(cfg, 10, 4, num_host_blocks=32)
+    prefix = list(range(1, 17))
+    low = sim.add(make_request("V", prefix, 20, ignore_eos=True, priority=1))
+    sim.add(make_request("F", [40] * 12, 30, ignore_eos=True, priority=0))
+    sim.step()
+    sim.step()
+    sim.add(make_request("H", prefix + [45] * 12, 4, ignore_eos=True, priority=0))
+    sim.step()
+    assert sim.sched.stats.num_priority_preemptions == 0 and low.metrics.num_preemptions == 0
+    sim.run(500)
+    sim.check_outputs()
+
+
+def test_the_best_ranked_request_never_steps_back_for_a_later_arrival():
+    """Residency used to leave the first-come request no victim but itself when the only later
+    arrival of its priority had just been admitted: it recomputed and waited for that one. Now a
+    resident victim of its own priority is taken when nothing else makes room."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, admission_policy="optimistic",
+                          preemption_mode="recompute", min_resident_steps=4, reservation_buffer=0.0)
+    sim = Sim(cfg, 6, 4, prefix_caching=False)
+    first = sim.add(make_request("R", [1] * 7, 20, ignore_eos=True))
+    sim.step()
+    later = sim.add(make_request("X", [2] * 16, 20, ignore_eos=True))
+    sim.run(500)
+    sim.check_outputs()
+    assert first.metrics.num_preemptions == 0 and later.metrics.num_preemptions >= 1
+    assert sim.sched.stats.residency_overrides >= 1
+
+
+def test_a_failed_mask_step_still_copies_its_swap_outs():
+    """A structured-output mask failure used to return before the step's swap copies ran, so a
+    request swapped out in that step came back with garbage KV."""
+
+    class FailingGrammars:
+        fail = False
+
+        def fill_bitmasks(self, matchers):
+            if self.fail:
+                raise RuntimeError("mask failure")
+
+    class Matcher:
+        def consume_token(self, token):
+            return True
+
+        def is_stopped(self):
+            return False
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, admission_policy="optimistic",
+                          preemption_mode="swap", min_resident_steps=0, reservation_buffer=0.0)
+    sim = Sim(cfg, 8, 4, num_host_blocks=16, prefix_caching=False)
+    sim.core.grammars = grammars = FailingGrammars()
+    victim = sim.add(make_request("V", [1] * 12, 20, ignore_eos=True, priority=1))
+    for _ in range(3):
+        sim.step()
+    head = sim.add(make_request("H", [2] * 20, 3, ignore_eos=True, priority=0))
+    head.grammar = Matcher()
+    grammars.fail = True
+    sim.step()
+    grammars.fail = False
+    assert sim.log[-1].swapped_out == {"V"} and head.status == RequestStatus.FINISHED_ERROR
+    sim.run(100)   # the fake executor checks every position V attends to
+    sim.check_outputs()
+    assert victim.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_zero_costs_set_by_the_user_are_kept():
+    from conveyor.scheduler.scheduler import Scheduler
+    from conveyor.sim.cost import StepCostModel, preemption_costs
+
+    cfg = SchedulerConfig(swap_cost_per_block=0.0, recompute_cost_per_token=0.0)
+    assert (Scheduler(cfg, KVCacheManager(8, 4)).costs.swap(5), preemption_costs(cfg, StepCostModel()).swap(5)) == (0, 0)
+    assert preemption_costs(cfg, StepCostModel()).recompute(100) == 0

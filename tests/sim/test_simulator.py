@@ -69,8 +69,10 @@ def test_replicas_share_the_load_and_answer_every_request_once():
 def test_swaps_cost_modelled_time():
     """The same preempting workload: swap copies take time in the simulated clock, recompute does not copy."""
     wl = WorkloadSpec(num_requests=60, prompt_len="64:128", output_len="64:200", seed=3).generate()
+    # victims by arrival, so that the two runs preempt the same requests (by cost, the victim
+    # order would follow the swap cost being compared)
     cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, admission_policy="optimistic",
-                          preemption_mode="swap", min_resident_steps=1)
+                          preemption_mode="swap", min_resident_steps=1, victim_policy="latest")
     fast = simulate(wl, cfg, num_blocks=48, num_host_blocks=200, cost=StepCostModel(swap_block=0.0))
     slow = simulate(wl, cfg, num_blocks=48, num_host_blocks=200, cost=StepCostModel(swap_block=0.01))
     assert fast.stats["num_swaps_out"] > 0 and fast.stats["num_swaps_out"] == slow.stats["num_swaps_out"]
