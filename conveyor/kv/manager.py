@@ -174,15 +174,19 @@ class KVCacheManager:
             contents.append(content)
         return keys
 
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Prompt logprobs and mean pooling need every prompt token computed, not cached."""
+        p = request.params
+        return self.pool.enable_caching and p.prompt_logprobs is None and p.pooling != "mean"
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the longest prefix of the request's tokens.
 
         At least one token is always left to compute (its logits are needed), so a fully
         cached sequence gives up its last full block.
         """
-        p = request.params
-        if not self.pool.enable_caching or p.prompt_logprobs is not None or p.pooling == "mean":
-            return []   # prompt logprobs and mean pooling need every prompt token computed, not cached
+        if not self.reads_prefix_cache(request):
+            return []
         n = (request.num_tokens - 1) // self.block_size
         keys = self._block_keys(request, n * self.block_size)
         pool, found, parent = self.pool, [], 0
@@ -295,9 +299,8 @@ class KVCacheManager:
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Tokens of the request's leading blocks that others hold too: they stay cached when it
         is preempted, so recomputing it starts after them (a prefix-cache hit)."""
-        p = request.params
-        if not self.pool.enable_caching or p.prompt_logprobs is not None or p.pooling == "mean":
-            return 0   # such requests never read the prefix cache (see find_cached_prefix)
+        if not self.reads_prefix_cache(request):
+            return 0
         n = 0
         for b in self.tables.get(request.request_id, ()):
             block = self.pool.blocks[b]

@@ -34,6 +34,13 @@ class PreemptionCosts:
     recompute_token: float = DEFAULT_RECOMPUTE_COST_PER_TOKEN    # seconds per recomputed token
     recompute_time: Callable[[int], float] | None = None        # measured: seconds to recompute n tokens
 
+    @classmethod
+    def of(cls, config) -> PreemptionCosts:
+        """The constants a SchedulerConfig sets (None: the defaults)."""
+        swap, recompute = config.swap_cost_per_block, config.recompute_cost_per_token
+        return cls(DEFAULT_SWAP_COST_PER_BLOCK if swap is None else swap,
+                   DEFAULT_RECOMPUTE_COST_PER_TOKEN if recompute is None else recompute)
+
     def swap(self, num_blocks: int) -> float:
         return 2 * num_blocks * self.swap_block   # out now, back in later
 

@@ -21,8 +21,7 @@ from conveyor.scheduler.admission import AdmissionPolicy, make_admission_policy
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.deadlines import DeadlineHeap, queue_limit, timeout_message
 from conveyor.scheduler.output import ModelOutput, SamplingRow, ScheduledSeq, SchedulerOutput
-from conveyor.scheduler.preemption import (DEFAULT_RECOMPUTE_COST_PER_TOKEN, DEFAULT_SWAP_COST_PER_BLOCK,
-                                           PreemptionCosts, eligible_victims, order_victims, victim_cost,
+from conveyor.scheduler.preemption import (PreemptionCosts, eligible_victims, order_victims, victim_cost,
                                            victim_key)
 from conveyor.scheduler.queue import WaitQueue
 
@@ -59,10 +58,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic, costs: PreemptionCosts | None = None):
         self.config = config
         # auto preemption: the costs the user set, else the profile's (passed in), else defaults
-        self.costs = costs or PreemptionCosts(
-            DEFAULT_SWAP_COST_PER_BLOCK if config.swap_cost_per_block is None else config.swap_cost_per_block,
-            DEFAULT_RECOMPUTE_COST_PER_TOKEN if config.recompute_cost_per_token is None
-            else config.recompute_cost_per_token)
+        self.costs = costs or PreemptionCosts.of(config)
         self.kv = kv
         self.clock = clock   # timestamps: monotonic time in the engine, simulated time in the simulator
         self.admission = admission or make_admission_policy(
@@ -186,7 +182,7 @@ class Scheduler:
         """Give a running request its next chunk (one token for a decode), if memory allows."""
         if req.status != RequestStatus.RUNNING or req.request_id in scheduled:   # preempted earlier
             return budget
-        n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
+        n = self._first_chunk(req, budget)
         ok, returned = self._grow(req, n, scheduled, out)
         budget += returned
         if ok:
@@ -265,8 +261,10 @@ class Scheduler:
         self._reserved = reserved + self._future_blocks(req)
         return n
 
-    def _first_chunk(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed_tokens, budget, self.config.prefill_chunk_cap)
+    def _first_chunk(self, req: Request, budget: int, computed: int | None = None) -> int:
+        """Tokens of the request's next chunk (computed: where it starts, default its computed tokens)."""
+        start = req.num_computed_tokens if computed is None else computed
+        return min(req.num_tokens - start, budget, self.config.prefill_chunk_cap)
 
     def _entry_blocks(self, req: Request, cached: list[int], budget: int) -> tuple[int, int]:
         """(free blocks it is predicted to take over its life, free blocks it takes now) for a
@@ -280,7 +278,7 @@ class Scheduler:
             return max(now, predicted - self.kv.num_pinned(req.request_id)), now
         revived = self.kv.num_revived(cached)
         computed = len(cached) * self.kv.block_size
-        first = self.kv.blocks_for(computed + min(req.num_tokens - computed, budget, self.config.prefill_chunk_cap))
+        first = self.kv.blocks_for(computed + self._first_chunk(req, budget, computed))
         now = max(0, first - len(cached)) + revived
         return max(now, predicted - len(cached) + revived), now
 

@@ -21,8 +21,7 @@ from typing import Protocol
 
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import SchedulerOutput
-from conveyor.scheduler.preemption import (DEFAULT_RECOMPUTE_COST_PER_TOKEN, DEFAULT_SWAP_COST_PER_BLOCK,
-                                           PreemptionCosts)
+from conveyor.scheduler.preemption import PreemptionCosts
 
 
 class CostModel(Protocol):
@@ -48,8 +47,7 @@ def preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> Preempt
     swap time per block and its step-cost curve for recomputing n tokens (attention included,
     so a long recomputation costs more per token than a short one)."""
     filled = with_preemption_costs(config, cost)
-    costs = PreemptionCosts(_first(filled.swap_cost_per_block, lambda: DEFAULT_SWAP_COST_PER_BLOCK),
-                            _first(filled.recompute_cost_per_token, lambda: DEFAULT_RECOMPUTE_COST_PER_TOKEN))
+    costs = PreemptionCosts.of(filled)
     if cost is not None and config.recompute_cost_per_token is None:
         costs.recompute_time = lambda n: n * cost.recompute_time_per_token(n)
     return costs
