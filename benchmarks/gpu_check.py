@@ -82,7 +82,7 @@ def greedy_on(model, prompt: list[int], max_new: int, device: str) -> dict:
 
         def execute(self, plan):
             out = runner.execute(plan)
-            rows.append(runner.last_logits[0].float().cpu())
+            rows.append(runner.last_logits["g"].float().cpu())
             return out
 
     core = EngineCore(Scheduler(SchedulerConfig(), KVCacheManager(64, 16, enable_prefix_caching=False)), Recorder())

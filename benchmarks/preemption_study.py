@@ -62,9 +62,10 @@ def worker() -> dict:
                 res = simulate(spec.generate(), cfg, num_blocks=blocks, num_host_blocks=host, cost=cost,
                                prefix_caching=caching)
                 s = res.summary(SLO)
+                stats = res.stats if isinstance(res.stats, dict) else res.stats.as_dict()   # a baseline ref's: a dict
                 out[f"{name}/{mode}/{victims}"] = {
                     "preemptions": s["num_preemptions"], "swaps": s["num_swaps_out"],
-                    "blocks_copied": res.stats.get("blocks_swapped_out"),
+                    "blocks_copied": stats.get("blocks_swapped_out"),
                     "tokens_recomputed": s["recomputed_prompt_tokens"],
                     "ttft_p50": s["p50_ttft_s"], "ttft_p99": s["p99_ttft_s"],
                     "tpot_p50": s["p50_tpot_s"], "tpot_p99": s["p99_tpot_s"],

@@ -118,8 +118,8 @@ def run_server(loaded, ps: list[str], max_tokens: int, stream: bool) -> dict:
     loop_cpu = thread_cpu(thread) - loop_cpu
     server.should_exit = True
     thread.join()
-    steps = after["steps"] - before["steps"]
-    out = _summary(result["wall"], result["tokens"], steps, after["step_time_total"] - before.get("step_time_total", 0))
+    steps = after.steps - before.steps
+    out = _summary(result["wall"], result["tokens"], steps, after.step_time_total - before.step_time_total)
     out.update(sse_events=result["events"], loop_cpu_s=loop_cpu, client_cpu_s=result["cpu"])
     return out
 

@@ -48,15 +48,15 @@ def rel_error(sim: float, real: float) -> float:
 
 def compare(engine: Engine, cost: StepCostModel, spec: WorkloadSpec) -> dict:
     workload = spec.generate()
-    preempted = engine.stats()["num_preemptions"]
+    preempted = engine.stats().num_preemptions
     t = time.perf_counter()
     records, trace = run_on_engine(engine, workload, seed=spec.seed)
     wall = time.perf_counter() - t
     stats = engine.stats()
-    real = SimResult(records, {**stats, "block_size": engine.config.block_size}, [trace])
+    real = SimResult(records, stats, [trace], block_size=engine.config.block_size)
     sim = simulate(workload, cost=cost, trace=True, seed=spec.seed, **sim_config(engine))
     r, s = real.summary(), sim.summary()
-    r["num_preemptions"] = stats["num_preemptions"] - preempted   # the engine's counters are cumulative
+    r["num_preemptions"] = stats.num_preemptions - preempted   # the engine's counters are cumulative
     row = {"rate": spec.rate, "requests": len(workload), "wall_s": wall}
     for key in BARS:
         row[key] = {"real": r[key], "sim": s[key], "rel_error": rel_error(s[key], r[key])}

@@ -25,7 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (requests, output tokens, stop strings on the first request)
-SCENARIOS = {"decode_b1": (1, 160, 0), "decode_b32": (32, 64, 0), "decode_b32_one_with_stops": (32, 64, 64)}
+SCENARIOS = {"decode_b1": (1, 160, 0), "decode_b32": (32, 64, 0), "decode_b64": (64, 64, 0),
+             "decode_b32_one_with_stops": (32, 64, 64)}
 
 
 def worker() -> dict:
@@ -73,7 +74,10 @@ def worker() -> dict:
 
 
 def run_worker(code_root: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(code_root))
+    # One C++-extension build folder per tree: torch rebuilds an extension whose source path changed,
+    # which alternating trees in one folder would do every round (minutes each).
+    ext = Path(tempfile.gettempdir()) / "conveyor-bench-torch-ext" / str(code_root).strip("/").replace("/", "_")
+    env = dict(os.environ, PYTHONPATH=str(code_root), TORCH_EXTENSIONS_DIR=str(ext))
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], env=env, check=True,
                          capture_output=True, text=True, cwd=code_root).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -85,6 +89,8 @@ def main() -> None:
     ap.add_argument("--baseline", default="437143b", help="git ref of the baseline code")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="step_overhead")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="an existing checkout of the baseline to use (kept); default: a temporary worktree")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker()))
@@ -93,9 +99,10 @@ def main() -> None:
     from common import save
 
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                       check=True, capture_output=True)
+        base = Path(args.baseline_tree) if args.baseline_tree else Path(tmp) / "base"
+        if not args.baseline_tree:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+                           check=True, capture_output=True)
         try:
             rounds = []
             for r in range(args.rounds):
@@ -103,7 +110,8 @@ def main() -> None:
                 print(f"round {r}: baseline {a}\n         current  {b}", flush=True)
                 rounds.append({"baseline": a, "current": b})
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
+            if not args.baseline_tree:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=True)
     summary = {}
     for name in SCENARIOS:
         a = statistics.median(r["baseline"][name]["overhead_ms"] for r in rounds)

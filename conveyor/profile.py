@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from conveyor.engine.engine import Engine
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler.output import SamplingRow, ScheduledSeq, SchedulerOutput
-from conveyor.sim.cost import StepCostModel, StepShape, hat_weights
+from conveyor.scheduler.costs import StepCostModel, StepShape, hat_weights
+from conveyor.scheduler.output import NewRequestData, ScheduledSeq, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20)
 
@@ -59,7 +59,9 @@ def machine() -> dict:
 
 
 class _Plans:
-    """Synthetic plans over the runner's KV cache: distinct blocks per sequence, wrapping around."""
+    """Synthetic plans over the runner's KV cache: distinct blocks per sequence, wrapping around.
+    Every sequence is new to the runner (so a plan can be executed again and again), and each
+    plan tells the runner to forget the previous plan's."""
 
     def __init__(self, engine: Engine, seed: int = 0):
         self.block_size = engine.config.block_size
@@ -68,6 +70,7 @@ class _Plans:
         self.rng = random.Random(seed)
         self.next_block = 0
         self.n = 0
+        self.previous: list[str] = []
 
     @property
     def capacity(self) -> int:
@@ -79,10 +82,11 @@ class _Plans:
         self.next_block = (self.next_block + blocks) % self.num_blocks
         self.n += 1
         tokens = [self.rng.randrange(self.vocab) for _ in range(num_tokens)]
-        return ScheduledSeq(f"p{self.n}", tokens, computed, table, SamplingRow(GREEDY, 0, 0) if sample else None)
+        return ScheduledSeq(f"p{self.n}", tokens, computed, table, NewRequestData(GREEDY, 0, 0), sample=sample)
 
     def plan(self, seqs: list[ScheduledSeq]) -> SchedulerOutput:
-        out = SchedulerOutput(0, seqs)
+        out = SchedulerOutput(0, seqs, forget_ids=self.previous)
+        self.previous = [s.request_id for s in seqs]
         for s in seqs:
             if s.num_tokens == 1 and s.num_computed_tokens > 0:
                 out.num_decode_tokens += 1

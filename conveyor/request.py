@@ -72,8 +72,8 @@ class Request:
     swapped_in_step: int = -1             # step at which it was last swapped back in
     preempted_step: int = -1              # step at which it was last preempted
     grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
+    grammar_ended: bool = False           # its grammar is complete or refused a token (sampling/structured.py)
     prompt_logprobs: list | None = None   # params.prompt_logprobs: one entry per prompt token so far
-    pooled: Any = None                    # params.pooling: running sum (mean) or the last hidden state
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,14 +108,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def reset_computed(self) -> None:
-        """Preempted by recompute: its KV is gone, so are the per-chunk results it would compute
-        again (a pooled sum, a partial list of prompt logprobs); tokens and logprobs sampled
-        already stay."""
-        self.num_computed_tokens = 0
-        self.pooled = None
-        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
-            self.prompt_logprobs = [None]
 
     def append_token(self, token_id: int, now: float) -> None:
         self.all_token_ids.append(token_id)

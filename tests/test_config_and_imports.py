@@ -1,4 +1,5 @@
-"""One source for the engine's options, and torch-free imports of the scheduler, KV manager and simulator."""
+"""One source for the engine's options, and torch-free imports of the scheduler, KV manager, engine core
+(and its stats), sampling parameters and simulator."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ from conveyor.scheduler.config import SchedulerConfig
 
 TORCH_FREE = """
 import sys
+import pickle
 import conveyor, conveyor.config, conveyor.kv.manager, conveyor.scheduler.scheduler, conveyor.engine.core
-import conveyor.sim.simulator
+import conveyor.engine.stats, conveyor.engine.trace, conveyor.scheduler.costs, conveyor.sampling.params
+import conveyor.sampling.row, conveyor.request, conveyor.sim.simulator, conveyor.sim.cli, conveyor.runner.state
+import conveyor.engine.frontend, conveyor.engine.inputs, conveyor.engine.output_processor   # the front end
+import conveyor.scheduler.stopping, conveyor.scheduler.pooling, conveyor.scheduler.prompt_logprobs
+import conveyor.sampling.structured
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.sim.simulator import SimRequest, simulate
 res = simulate([SimRequest(0.0, 20, 5, 8)], SchedulerConfig(), num_blocks=8)
-assert res.output_tokens == 5, res
+assert res.output_tokens == 5 and res.stats.num_finished == 1, res
+assert pickle.loads(pickle.dumps(res.stats)) == res.stats   # it crosses the process engine's pipe
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy"))
 print("loaded:", bad)
 sys.exit(1 if bad else 0)

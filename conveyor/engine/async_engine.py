@@ -1,11 +1,14 @@
 """The engine's step loop beside an event loop, with a per-request async stream of outputs.
 
-``EngineLoop`` is the loop: only it touches the Engine; callers post commands (add, abort,
-stop) to a thread-safe queue, applied between steps, and each step's outputs and stats go to
-a sink. ``AsyncEngine`` runs it on a background thread of the server's process: torch releases
-the GIL in its kernels, so the event loop (HTTP, tokenization) runs while the model computes.
-``ProcessEngine`` (process_engine.py) runs the same loop in a child process. The HTTP layer
-only sees the ``EngineClient`` protocol; both clients share the stream bookkeeping here.
+``EngineLoop`` is the loop: only it touches the ``EngineBackend`` (the model and the engine
+core); callers post commands (add a validated request, finish sequences, stop) to a
+thread-safe queue, applied between steps, and each step's per-sequence deltas and stats go to
+a sink. The caller's side, ``StreamingClient``, is the front end: it validates and registers
+requests, turns the deltas into outputs (detokenization, stop strings, ``n`` siblings) and
+hands them to the request streams. ``AsyncEngine`` runs the loop on a background thread of the
+server's process; ``ProcessEngine`` (process_engine.py) runs it in a child process, where the
+front end's work overlaps the next forward pass. The HTTP layer only sees the
+``EngineClient`` protocol.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.engine import Engine
+from conveyor.engine.core import EngineDeadError, SeqUpdate
+from conveyor.engine.engine import Engine, EngineBackend
+from conveyor.engine.frontend import EngineRequest, Finish, FrontEnd
+from conveyor.engine.inputs import ProcessedInput
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 from conveyor.tokenizer import Tokenizer
 
@@ -46,11 +52,11 @@ class EngineClient(Protocol):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0) -> RequestStream: ...
+                    priority: int = 0, validated: bool = False) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None: ...
 
@@ -104,16 +110,7 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 @dataclass(slots=True)
 class Add:
-    request_id: str
-    prompt: str | list[int] | dict
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-
-
-@dataclass(slots=True)
-class Abort:
-    request_id: str
+    request: EngineRequest
 
 
 @dataclass(slots=True)
@@ -124,7 +121,7 @@ class Stop:
 class LoopSink(Protocol):
     """Where an EngineLoop's results go (a client in this process, or a pipe to one)."""
 
-    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None: ...
+    def deliver(self, updates: list[SeqUpdate], stats: EngineStats, applied_seqs: int) -> None: ...
 
     def failed(self, error: BaseException) -> None: ...
 
@@ -132,15 +129,14 @@ class LoopSink(Protocol):
 class EngineLoop:
     """The engine's step loop: commands applied between steps, results handed to a sink."""
 
-    def __init__(self, engine: Engine, sink: LoopSink):
+    def __init__(self, engine: EngineBackend, sink: LoopSink):
         self.engine = engine
         self.sink = sink
         self._cv = threading.Condition()
         self._commands: deque = deque()
-        self._live: set[str] = set()          # request ids added and not yet finished
         self._step_time_total = 0.0
 
-    def post(self, command: Add | Abort | Stop) -> None:
+    def post(self, command: Add | Finish | Stop) -> None:
         with self._cv:
             self._commands.append(command)
             self._cv.notify()
@@ -153,15 +149,13 @@ class EngineLoop:
         try:
             while True:
                 commands, stop = self._wait_for_work(stale, stalled, stop)
-                added = self._apply(commands)
-                busy = self.engine.has_unfinished_requests()
+                added, updates = self._apply(commands)
+                busy = self.engine.has_unfinished()
                 if stop is not None and (not busy or time.monotonic() >= stop.deadline):
-                    for rid in list(self._live):
-                        self.engine.abort_request(rid)
-                    self._step(added)
+                    self._step(added, updates + self._abort_all())
                     return
-                if busy or stale or added:
-                    stalled = self._step(added) and self.engine.has_unfinished_requests()
+                if busy or stale or added or updates:
+                    stalled = self._step(added, updates) and self.engine.has_unfinished()
                     stale = busy
                 if self.engine.dead:   # its requests already failed in the step that killed it
                     raise EngineDeadError(f"the engine stopped: {self.engine.core.dead_reason}")
@@ -181,7 +175,7 @@ class EngineLoop:
 
     def _wait_for_work(self, stale: bool, stalled: bool, stop: Stop | None) -> tuple[list, Stop | None]:
         with self._cv:
-            idle = not self.engine.has_unfinished_requests() and not stale
+            idle = not self.engine.has_unfinished() and not stale
             if not self._commands and stop is None and (idle or stalled):
                 self._cv.wait(timeout=None if idle else _STALL_WAIT_S)
             elif not self._commands and stop is not None and stalled:
@@ -193,36 +187,38 @@ class EngineLoop:
                 stop = c
         return commands, stop
 
-    def _apply(self, commands: list) -> int:
-        """Apply queued commands in order; returns the number of sequences added."""
+    def _apply(self, commands: list) -> tuple[int, list[SeqUpdate]]:
+        """Apply queued commands in order; returns the number of sequences added and the deltas the
+        commands produced (errors of the requests the core refused, the callers' aborts)."""
         added, rejected = 0, []
         for c in commands:
             if isinstance(c, Add):
-                added += c.params.num_seqs
+                added += len(c.request.seq_ids)
                 try:
-                    if c.request_id in self._live:
-                        raise ValueError(f"duplicate request id {c.request_id!r}")
-                    self.engine.add_request(c.prompt, c.params, c.request_id, c.priority, c.arrival_time)
-                    self._live.add(c.request_id)
+                    self.engine.add(c.request)
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    rejected.append(error_output(c.request_id, str(e)))
-            elif isinstance(c, Abort):
-                self.engine.abort_request(c.request_id)
-        if rejected:
-            self.sink.deliver(rejected, self.engine.stats(), 0)
-        return added
+                    rejected += [SeqUpdate(sid, None, None, "error", None, str(e), None) for sid in c.request.seq_ids]
+            elif isinstance(c, Finish):
+                if c.report:
+                    live = self.engine.core.scheduler.requests
+                    rejected += [SeqUpdate(sid, None, None, "abort", None, None, None) for sid in c.seq_ids
+                                 if sid in live]
+                self.engine.stop(c)
+        return added, rejected
 
-    def _step(self, added: int) -> bool:
-        """One engine step; hands over outputs and stats. Returns True if it stalled."""
-        outputs = self.engine.step()
+    def _abort_all(self) -> list[SeqUpdate]:
+        """Shutdown: abort every live sequence; their deltas say so."""
+        live = list(self.engine.core.scheduler.requests)
+        self.engine.stop(Finish(live))
+        return [SeqUpdate(sid, None, None, "abort", None, None, None) for sid in live]
+
+    def _step(self, added: int, extra: list[SeqUpdate]) -> bool:
+        """One engine step; hands over its deltas (after `extra`) and the stats. Returns True if it stalled."""
+        updates = self.engine.run_step()
         self._step_time_total += self.engine.last_step_time
-        stats = self.engine.stats()
-        stats["step_time_total"] = self._step_time_total   # seconds inside Engine.step(), all steps
-        for out in outputs:
-            if out.finished:
-                self._live.discard(out.request_id)
-        self.sink.deliver(outputs, stats, added)
-        return not outputs and stats["step_prefill_tokens"] + stats["step_decode_tokens"] == 0
+        stats = self.engine.stats().replace(step_time_total=self._step_time_total)   # seconds in step(), all steps
+        self.sink.deliver(extra + updates if extra else updates, stats, added)
+        return not updates and stats.step_tokens == 0
 
 
 @dataclass(slots=True)
@@ -231,22 +227,25 @@ class _Shared:
 
     streams: dict[str, RequestStream] = field(default_factory=dict)
     pending_seqs: int = 0       # sequences added but not yet applied by the loop
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: EngineStats = field(default_factory=EngineStats)
 
 
 class StreamingClient:
-    """The caller side shared by AsyncEngine and ProcessEngine: streams, back-pressure, health.
+    """The front end shared by AsyncEngine and ProcessEngine: requests validated and registered
+    here, the loop's deltas turned into outputs here, streams, back-pressure, health.
 
-    Subclasses set model_name, max_model_len, tokenizer, and implement _post (send a command to
-    the loop) and _validate; results arrive through deliver() / failed() (the LoopSink).
+    Subclasses set model_name, max_model_len, and implement _post (send a command to the loop);
+    results arrive through deliver() / failed() (the LoopSink): in the receiving thread, so
+    with ProcessEngine the front end's work overlaps the engine process's next step.
     """
 
     model_name: str
     max_model_len: int
-    tokenizer: Tokenizer
 
-    def __init__(self, max_waiting: int | None, stats: dict[str, Any]):
+    def __init__(self, max_waiting: int | None, stats: EngineStats, frontend: FrontEnd):
         self.max_waiting = max_waiting
+        self.frontend = frontend
+        self.tokenizer: Tokenizer = frontend.tokenizer
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._lock = threading.Lock()
         self._shared = _Shared(stats=stats)
@@ -254,32 +253,42 @@ class StreamingClient:
         self._error: BaseException | None = None
 
     # ---- caller side (any thread with a running event loop) -------------------------------
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0) -> RequestStream:
-        """Queue a request; raises Overloaded when `max_waiting` sequences already wait."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """InvalidRequestError if the request can never run (pass validated=True to add_request after)."""
+        self.frontend.inputs.validate(prompt_token_ids, params)
+
+    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None,
+                    request_id: str, priority: int = 0, validated: bool = False) -> RequestStream:
+        """Queue a request; raises InvalidRequestError if it cannot run (unless `validated`: the caller ran
+        validate() on it), Overloaded when `max_waiting` sequences already wait."""
+        if not isinstance(prompt, ProcessedInput):   # tokenization: outside the lock
+            prompt = self.frontend.process_inputs(prompt, params, validated)
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or not self._accepting:
                 raise EngineDeadError(_dead_message(self._error))
             s = self._shared
-            waiting = s.pending_seqs + s.stats.get("num_waiting", 0)
+            waiting = s.pending_seqs + s.stats.num_waiting
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise Overloaded(f"{waiting} sequences are already waiting (limit {self.max_waiting})")
-            if request_id in s.streams:
-                raise ValueError(f"duplicate request id {request_id!r}")
-            s.pending_seqs += params.num_seqs
+            req = self.frontend.register(prompt, None, request_id, priority, time.monotonic())
+            s.pending_seqs += len(req.seq_ids)
             s.streams[request_id] = stream
-        self._post(Add(request_id, prompt, params, priority, time.monotonic()))
+        self._post(Add(req))
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort at any time; applied between steps, the request's KV blocks free at once."""
-        self._post(Abort(request_id))
+        """Abort at any time: applied between steps, where the sequences' KV blocks free at once; the
+        stream ends with the core's answer, so the stats it sees then already count the abort."""
+        with self._lock:
+            seq_ids = self.frontend.live_seq_ids(request_id)
+        if seq_ids:
+            self._post(Finish(seq_ids, report=True))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's stats as of the end of the latest step (exact once idle)."""
         with self._lock:
-            return dict(self._shared.stats, num_unfinished_requests=len(self._shared.streams))
+            return self._shared.stats.replace(num_unfinished_requests=len(self._shared.streams))
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
         """Call `listener` (on the request's event loop) with every finished output, read or not."""
@@ -295,20 +304,33 @@ class StreamingClient:
             self._accepting = False
         self._post(Stop(time.monotonic() + timeout))
 
-    def _post(self, command: Add | Abort | Stop) -> None:
+    def _post(self, command: Add | Finish | Stop) -> None:
         raise NotImplementedError
 
     # ---- results (LoopSink; called from the loop's side) ---------------------------------------
-    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+    def deliver(self, updates: list[SeqUpdate], stats: EngineStats, applied_seqs: int) -> None:
+        """A step's deltas: outputs to their streams; sequences the front end ended go back to the loop."""
         with self._lock:
             s = self._shared
             s.pending_seqs -= applied_seqs
             s.stats = stats
-            for out in outputs:
-                stream = s.streams.pop(out.request_id, None) if out.finished else s.streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
+            outputs, finishes = self.frontend.process(updates)
+            items = self._route(outputs)
+        for command in finishes:
+            self._post(command)
+        self._hand_over_all(items)
+
+    def _route(self, outputs: list[RequestOutput]) -> dict[asyncio.AbstractEventLoop, list]:
+        """(stream, output) pairs by event loop; a finished output closes its stream. Under the lock."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        streams = self._shared.streams
+        for out in outputs:
+            stream = streams.pop(out.request_id, None) if out.finished else streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        return by_loop
+
+    def _hand_over_all(self, by_loop: dict[asyncio.AbstractEventLoop, list]) -> None:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._hand_over, items)
@@ -317,14 +339,15 @@ class StreamingClient:
 
     def failed(self, error: BaseException) -> None:
         """The loop ended with `error`: every open stream gets an error output; no more requests."""
+        message = _dead_message(error)
         with self._lock:
             self._error = error
             self._accepting = False
-            stats = self._shared.stats
-        message = _dead_message(error)
-        with self._lock:
             open_ids = list(self._shared.streams)
-        self.deliver([error_output(rid, message) for rid in open_ids], stats, 0)
+            for rid in open_ids:
+                self.frontend.abort(rid, report=False)
+            items = self._route([error_output(rid, message) for rid in open_ids])
+        self._hand_over_all(items)
 
     def _hand_over(self, items: list[tuple[RequestStream, RequestOutput]]) -> None:
         """Runs on the caller's event loop."""
@@ -342,9 +365,8 @@ class AsyncEngine(StreamingClient):
     """Runs `engine`'s loop on a background thread of this process; see the module docstring."""
 
     def __init__(self, engine: Engine, max_waiting: int | None = None):
-        super().__init__(max_waiting, engine.stats())
+        super().__init__(max_waiting, engine.stats(), engine.frontend)
         self.engine = engine
-        self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
         self._loop = EngineLoop(engine, self)
@@ -355,10 +377,7 @@ class AsyncEngine(StreamingClient):
     def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> AsyncEngine:
         return cls(Engine(config), max_waiting)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)   # reads only immutable config
-
-    def _post(self, command: Add | Abort | Stop) -> None:
+    def _post(self, command: Add | Finish | Stop) -> None:
         self._loop.post(command)
 
     @property

@@ -9,7 +9,12 @@ steps in a row, or a failure inside the scheduler itself, mark the core dead.
 Before each schedule, requests past their queue deadline fail (scheduler/deadlines.py). When
 the last request leaves (the transition to idle), the KV cache must be whole again: that is
 checked once then, and a violation is logged and counted, never raised.
-No torch here.
+
+A step returns one ``SeqUpdate`` per sequence that changed: what the step added (a token, its
+logprobs, a finish), never what was sent before -- the front end keeps the rest. The core calls
+each concept's owner through a narrow interface: structured outputs (``GrammarBackend.step_masks``
+/ ``accept``), prompt logprobs (scheduler/prompt_logprobs.py), pooling (scheduler/pooling.py);
+whether a request finishes is decided in scheduler/stopping.py. No torch here.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from conveyor.engine.stats import CoreStats, EngineStats
 from conveyor.engine.trace import StepTracer
 from conveyor.request import Request, RequestMetrics, RequestStatus
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
-from conveyor.scheduler.output import ModelOutput, SchedulerOutput
+from conveyor.scheduler.output import LogprobEntry, ModelOutput, SchedulerOutput
+from conveyor.scheduler.pooling import collect as collect_embeddings
+from conveyor.scheduler.prompt_logprobs import collect as collect_prompt_logprobs
+from conveyor.scheduler.prompt_logprobs import first_output as first_prompt_logprobs
 from conveyor.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -40,39 +49,30 @@ class Executor(Protocol):
         """Copy KV blocks device -> host (swap_out: (device, host)), then host -> device."""
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        """Compute the plan's tokens and sample one token per sequence whose ``sampling`` is set."""
+        """Compute the plan's tokens and sample one token per sequence whose ``sample`` is set (by request id)."""
 
 
 @dataclass(slots=True)
 class SeqUpdate:
-    """What happened to one sequence in a step: a new token, a finish, or both; or an error."""
+    """What one step changed for one sequence (a delta, keyed by its id): a new token, a finish, or
+    both; or an error. Nothing sent before is sent again."""
 
     request_id: str
     token_id: int | None
-    logprobs: dict[int, float] | None
+    logprobs: LogprobEntry | None      # the new token's (params.logprobs)
     finish_reason: str | None          # "stop", "length" or "error" once finished
     stop_reason: int | str | None
     error: str | None
-    metrics: RequestMetrics
+    metrics: RequestMetrics | None     # with the first token and the finish only (not resent every step)
     prompt_logprobs: list | None = None   # with the first token: the prompt's logprobs (first entry None)
     embedding: list[float] | None = None  # an embedding request's result (it finishes with it)
     error_code: str | None = None         # with error: what kind ("queue_timeout"; None: the step failed)
 
 
-@dataclass(slots=True)
-class CoreStats:
-    step_failures: int = 0             # steps whose executor raised
-    consecutive_step_failures: int = 0
-    last_step_time: float = 0.0        # seconds in the latest step()
-    kv_invariant_checks: int = 0       # KV cache checks on the transition to idle
-    kv_invariant_full_checks: int = 0  # of which block by block (see EngineCore.idle_check_share)
-    kv_invariant_violations: int = 0   # of which found the cache not whole (a leak or a corrupt block)
-
-
-def embed(request: Request) -> list[float]:
-    """The L2-normalised embedding of a finished embedding request."""
-    v = request.pooled / request.num_prompt_tokens if request.params.pooling == "mean" else request.pooled
-    return (v / v.norm().clamp_min(1e-12)).tolist()
+def _metrics_delta(r: Request) -> RequestMetrics | None:
+    """A sequence's metrics go out with its first token and with its finish: in between they would
+    resend a growing list of inter-token latencies every step."""
+    return r.metrics if r.num_output_tokens == 1 or r.is_finished else None
 
 
 class EngineCore:
@@ -106,16 +106,14 @@ class EngineCore:
         self.scheduler.add_request(request)
         self._busy = True
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       reason: int | str | None = None) -> None:
+        """End live requests from outside the step: the caller aborted them, or the front end found a
+        stop string in their text (status FINISHED_STOPPED, reason: the string). Unknown ids are ignored."""
         for rid in request_ids:
-            self.scheduler.abort_request(rid)
-        self._check_if_idle()
-
-    def finish_request(self, request_id: str, status: RequestStatus, reason: int | str | None = None) -> None:
-        """Finish a live request from outside the step (a stop string found in its text)."""
-        request = self.scheduler.requests.get(request_id)
-        if request is not None:
-            self.scheduler.finish_request(request, status, reason)
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish_request(request, status, reason)
         self._check_if_idle()
 
     def has_unfinished(self) -> bool:
@@ -138,7 +136,7 @@ class EngineCore:
         if tracer is not None and self.last_plan is not None and not self.last_plan.is_empty:
             failed = sum(1 for u in updates if u.error is not None and u.error_code is None)
             tracer.record(self.last_plan, start, self.clock() - start, before, self._preemption_counts(),
-                          self.scheduler.stats_dict(), failed)
+                          self.engine_stats(), failed)
         return updates
 
     def _preemption_counts(self) -> tuple[int, int, int, int]:
@@ -170,84 +168,43 @@ class EngineCore:
                 self.executor.swap(plan.swap_out, plan.swap_in)
             except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
                 return self._step_failed("a KV swap copy failed", e, scheduled + plan.swapped_out_ids)
+        requests = self.scheduler.requests
         if self.grammars is not None:
             try:
-                self._grammar_masks(plan)
+                self.grammars.step_masks(plan, requests)
             except Exception as e:   # noqa: BLE001
                 return self._step_failed("computing structured-output masks failed", e, scheduled)
-        model_out = ModelOutput([])
+        model_out = ModelOutput()
         if plan.scheduled:
             try:
                 model_out = self.executor.execute(plan)
-                expected = sum(1 for s in plan.scheduled if s.sampling is not None)
-                if len(model_out.token_ids) != expected:
-                    raise RuntimeError(f"the executor returned {len(model_out.token_ids)} tokens for "
-                                       f"{expected} sampling sequences")
+                expected = {s.request_id for s in plan.scheduled if s.sample}
+                if model_out.sampled.keys() != expected:
+                    raise RuntimeError(f"the executor returned {len(model_out.sampled)} tokens for "
+                                       f"{len(expected)} sampling sequences (or for other requests)")
             except Exception as e:   # noqa: BLE001 - fail this step's requests, keep serving
                 return self._step_failed("the forward pass or sampling failed", e, scheduled)
         self.stats.consecutive_step_failures = 0
-        if model_out.prompt_logprobs:
-            for rid, entries in model_out.prompt_logprobs.items():
-                request = self.scheduler.requests.get(rid)
-                if request is not None and request.prompt_logprobs is not None:
-                    request.prompt_logprobs.extend(entries)
-        embedding = self._pool(model_out.pooled) if model_out.pooled else []
+        collect_prompt_logprobs(model_out.prompt_logprobs, requests)
+        embeddings = collect_embeddings(model_out.embeddings, requests)
+        if self.grammars is not None:
+            self.grammars.accept(model_out.sampled, requests)
         try:
-            touched = self.scheduler.update(plan, model_out)
+            touched = self.scheduler.update(plan, model_out)   # finishes what is done (scheduler/stopping.py)
         except Exception as e:   # noqa: BLE001
             return self._die("the scheduler's update failed", e)
-        if self.grammars is not None:
-            self._advance_grammars(touched)
-        return self._updates(plan, model_out, touched) + [
-            SeqUpdate(r.request_id, None, None, r.finish_reason, None, None, r.metrics,
-                      embedding=embed(r)) for r in embedding if r.is_finished]
-
-    def _pool(self, pooled: dict) -> list[Request]:
-        """Add a step's pooled hidden states to their requests; returns those requests."""
-        out = []
-        for rid, value in pooled.items():
-            request = self.scheduler.requests.get(rid)
-            if request is None:
-                continue
-            mean = request.params.pooling == "mean"
-            request.pooled = value if request.pooled is None or not mean else request.pooled + value
-            out.append(request)
-        return out
-
-    def _grammar_masks(self, plan: SchedulerOutput) -> None:
-        """Allowed-token bitmasks of the constrained sequences that sample this step, in one parallel call."""
-        requests = self.scheduler.requests
-        rows, matchers = [], []
-        for i, s in enumerate(x for x in plan.scheduled if x.sampling is not None):
-            request = requests.get(s.request_id)
-            if request is not None and request.grammar is not None:
-                rows.append(i)
-                matchers.append(request.grammar)
-        if matchers:
-            plan.grammar_rows = rows
-            plan.grammar_bitmask = self.grammars.fill_bitmasks(matchers)
-
-    def _advance_grammars(self, touched: list[Request]) -> None:
-        """Feed each constrained sequence its new token; a completed grammar finishes the request."""
-        for r in touched:
-            if r.grammar is None or r.is_finished:
-                continue
-            if not r.grammar.consume_token(r.all_token_ids[-1]):
-                logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", r.request_id,
-                               r.all_token_ids[-1], r.grammar.get_error())
-                self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
-            elif r.grammar.is_stopped():   # nothing but the end can follow
-                self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
+        return self._updates(model_out, touched) + self._embedded(embeddings)
 
     @staticmethod
-    def _updates(plan: SchedulerOutput, model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:
-        logprobs: dict[str, dict[int, float] | None] = {}
-        if model_out.logprobs is not None:
-            sampled = (s.request_id for s in plan.scheduled if s.sampling is not None)
-            logprobs = dict(zip(sampled, model_out.logprobs))
-        return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id),
-                          r.finish_reason, r.stop_reason, None, r.metrics,
-                          r.prompt_logprobs if r.num_output_tokens == 1 else None) for r in touched]
+    def _updates(model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:
+        logprobs = model_out.logprobs or {}
+        return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id), r.finish_reason,
+                          r.stop_reason, None, _metrics_delta(r), first_prompt_logprobs(r)) for r in touched]
+
+    def _embedded(self, embeddings: dict[str, Request]) -> list[SeqUpdate]:
+        """The embedding requests this step finished, each with its vector."""
+        return [SeqUpdate(rid, None, None, r.finish_reason, None, None, r.metrics, embedding=vector)
+                for rid, (r, vector) in embeddings.items() if r.is_finished]
 
     def _step_failed(self, what: str, error: Exception, request_ids: list[str]) -> list[SeqUpdate]:
         s = self.stats
@@ -310,14 +267,9 @@ class EngineCore:
             self.stats.kv_invariant_violations += 1
             logger.error("KV cache invariant violated on the transition to idle: %s", "; ".join(problems))
 
-    def stats_dict(self) -> dict:
-        d = self.scheduler.stats_dict()
-        s = self.stats
-        d.update(step_failures=s.step_failures, consecutive_step_failures=s.consecutive_step_failures,
-                 last_step_time=s.last_step_time, engine_dead=self.dead, kv_invariant_checks=s.kv_invariant_checks,
-                 kv_invariant_full_checks=s.kv_invariant_full_checks,
-                 kv_invariant_violations=s.kv_invariant_violations)
-        return d
+    def engine_stats(self) -> EngineStats:
+        """A typed snapshot of the scheduler's, KV cache's and this core's counters."""
+        return EngineStats.of(self.scheduler, self.stats, self.dead)
 
 
 def idle_violations(scheduler: Scheduler, full: bool = True) -> list[str]:

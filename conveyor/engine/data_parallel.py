@@ -25,12 +25,13 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class DataParallelEngine:
         self.replicas[0].validate(prompt_token_ids, params)
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, validated: bool = False) -> RequestStream:
         ids = self._token_ids(prompt)
         with self._lock:
             if request_id in self._owner:
@@ -139,7 +140,7 @@ class DataParallelEngine:
             last: Exception | None = None
             for i in order:   # the router's choice; if it is full, the least loaded others
                 try:
-                    stream = self.replicas[i].add_request(prompt, params, request_id, priority)
+                    stream = self.replicas[i].add_request(prompt, params, request_id, priority, validated)
                 except (Overloaded, EngineDeadError) as e:
                     last = e
                     continue
@@ -153,11 +154,11 @@ class DataParallelEngine:
         if i is not None:
             self.replicas[i].abort(request_id)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The replicas' stats summed (kv_usage: the mean; engine_dead: all of them dead)."""
-        return aggregate_stats(self.replica_stats())
+        return EngineStats.combine(self.replica_stats())
 
-    def replica_stats(self) -> list[dict[str, Any]]:
+    def replica_stats(self) -> list[EngineStats]:
         return [r.stats() for r in self.replicas]
 
     def replica_health(self) -> list[bool]:
@@ -172,7 +173,7 @@ class DataParallelEngine:
         """Per replica: unfinished requests (+ KV usage as a tie-break), or None when it is down."""
         out: list[float | None] = []
         for ok, s in zip(self.replica_health(), self.replica_stats()):
-            out.append(s["num_unfinished_requests"] + 0.5 * s["kv_usage"] if ok else None)
+            out.append(s.num_unfinished_requests + 0.5 * s.kv_usage if ok else None)
         return out
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
@@ -216,26 +217,3 @@ class DataParallelEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
-
-_MEAN = ("kv_usage", "prefix_cache_hit_rate")
-_MAX = ("last_step_time", "consecutive_step_failures")
-
-
-def aggregate_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in per_replica[0]:
-        values = [s[key] for s in per_replica if key in s]
-        if key == "engine_dead":
-            out[key] = all(values)
-        elif key in _MEAN:
-            out[key] = sum(values) / len(values)
-        elif key in _MAX:
-            out[key] = max(values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            out[key] = sum(values)
-        else:
-            out[key] = values[0]
-    q, h = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
-    if q is not None and h is not None:
-        out["prefix_cache_hit_rate"] = h / q if q else 0.0
-    return out

@@ -1,27 +1,29 @@
-"""The engine: inputs -> EngineCore (schedule -> execute -> update) -> outputs.
+"""The engine: front end (inputs, outputs) + the engine core with the model.
 
-``Engine`` puts together what one process needs to serve a model: input processing
-(tokenization and validation, before anything is registered), the ``EngineCore`` with the
-``ModelRunner`` as its executor, and the ``OutputProcessor`` (detokenization, stop strings,
-``n`` siblings). ``LLM`` and ``AsyncEngine`` drive it.
+``EngineBackend`` is what the engine core's process needs: the model, the ``EngineCore`` with the
+``ModelRunner`` as its executor, and the structured-output matchers. It takes validated
+``EngineRequest``s and returns each step's per-sequence deltas (``SeqUpdate``) -- nothing about
+text. ``Engine`` adds the ``FrontEnd`` (input validation, detokenization, stop strings, ``n``
+siblings) in the same process, for ``LLM`` and the in-process ``AsyncEngine``; ``ProcessEngine``
+keeps the front end in the server's process and runs an ``EngineBackend`` in a child.
 """
 
 from __future__ import annotations
 
 import logging
-import numbers
-import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineCore, EngineDeadError
-from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate
+from conveyor.engine.frontend import EngineRequest, FrontEnd, Finish
+from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedInput,  # noqa: F401 - re-exported
+                                    grammar_backend)
 from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.stop_strings import compile_stops
+from conveyor.engine.stats import EngineStats
 from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.dtype import resolve_dtype
@@ -31,30 +33,18 @@ from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.costs import StepCostModel, preemption_costs
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.sim.cost import StepCostModel, preemption_costs
 
-__all__ = ["Engine", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
+__all__ = ["Engine", "EngineBackend", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
 
 GIB = 1 << 30
 logger = logging.getLogger(__name__)
 
 
-class InvalidRequestError(ValueError):
-    """The request cannot run here (bad prompt, too long, bad parameters); the message says why."""
+class EngineBackend:
+    """The model and the engine core; requests in as EngineRequests, deltas out (module docstring)."""
 
-
-@dataclass(slots=True)
-class ProcessedInput:
-    """A prompt tokenized and validated, with its own copy of the sampling parameters."""
-
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None   # shares prefix-cache blocks only with requests of the same salt
-
-
-class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
         if config.torch_threads:
@@ -91,13 +81,9 @@ class Engine:
         if config.step_trace:
             self.core.tracer = StepTracer(meta={"source": "engine", "model": self.model_name,
                                                 "config": asdict(config)})
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = grammar_backend(self.tokenizer, self.model_config.vocab_size)
         self.core.grammars = self.grammars
-        self._rng = random.Random(config.seed)
-        self._next_id = 0
-        self._next_seq = 0
-        self.last_step_time = 0.0   # seconds in the latest step(), output processing included
+        self.last_step_time = 0.0   # seconds in the latest step()
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig, dtype: torch.dtype):
@@ -153,69 +139,17 @@ class Engine:
         return self.core.dead
 
     # ---- inputs ----------------------------------------------------------------------------
-    def new_request_id(self) -> str:
-        self._next_id += 1
-        return str(self._next_id - 1)
-
-    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> ProcessedInput:
-        """Tokenize and validate a prompt; raises InvalidRequestError (a ValueError) saying why it cannot run."""
-        if params is not None and not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = (params or SamplingParams()).clone()
-        params.eos_token_ids = tuple(self.model_config.eos_token_ids)
-        text, ids = self._prompt(prompt)
-        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            text, ids = None, ids[-params.truncate_prompt_tokens:]
-        if params.bad_words and params.bad_words_token_ids is None:
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        self.validate(ids, params)
-        return ProcessedInput(text, ids, params, cache_salt(prompt))
-
-    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise InvalidRequestError(f"'prompt' must be a string, got {type(text).__name__}")
-                return text, token_id_list(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, token_id_list(prompt)
-        raise InvalidRequestError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
-                                  f"'prompt_token_ids'; got {type(prompt).__name__}")
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError with a clear message if the request can never run."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.grammars)
-
-    # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request; raises InvalidRequestError (nothing is queued) if it cannot run."""
-        inp = prompt if isinstance(prompt, ProcessedInput) else self.process_inputs(prompt, params)
-        if not (isinstance(priority, numbers.Integral) and not isinstance(priority, bool)):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        request_id = request_id if request_id is not None else self.new_request_id()
-        if request_id in self.output_processor:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        p = inp.params
-        arrival = arrival_time if arrival_time is not None else self.core.clock()
-        seqs, leader = [], None
-        for i in range(p.num_seqs):
-            seed = p.seed + i if p.seed is not None else self._rng.getrandbits(63)
-            self._next_seq += 1
-            seq = Request(f"seq-{self._next_seq}", inp.prompt_token_ids, p, seed=seed, priority=int(priority),
-                          arrival_time=arrival, max_model_len=self.max_model_len, prefill_leader=leader,
-                          cache_salt=inp.cache_salt)
+    # ---- requests (validated by a front end) --------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        """Queue a request's sequences (all or none); it was validated by the front end."""
+        assert len(req.seq_ids) == len(req.seeds) == req.params.num_seqs, "one seed per sequence"
+        p, seqs, leader = req.params, [], None
+        for seq_id, seed in zip(req.seq_ids, req.seeds):
+            seq = Request(seq_id, req.prompt_token_ids, p, seed=seed, priority=req.priority,
+                          arrival_time=req.arrival_time, max_model_len=self.max_model_len, prefill_leader=leader,
+                          cache_salt=req.cache_salt)
             if p.structured_outputs is not None:
-                try:
-                    seq.grammar = self.grammars.matcher(p.structured_outputs)   # compiled once, cached
-                except ValueError as e:
-                    raise InvalidRequestError(str(e)) from e
+                seq.grammar = self.grammars.matcher(p.structured_outputs)   # compiled once, cached
             leader = leader or seq
             seqs.append(seq)
         added = []
@@ -226,27 +160,20 @@ class Engine:
         except BaseException:
             self.core.abort_requests(added)
             raise
-        self.output_processor.add(request_id, inp.prompt, inp.prompt_token_ids, p,
-                                  [(s.request_id, s.metrics) for s in seqs])
-        return request_id
 
-    def abort_request(self, request_id: str, report: bool = True) -> None:
-        """Abort now; its KV blocks are free for the next step. report=False: no final output."""
-        self.core.abort_requests(self.output_processor.abort(request_id, report))
+    def stop(self, command: Finish) -> None:
+        """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted."""
+        self.core.abort_requests(command.seq_ids, command.status, command.reason)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished()
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
 
-    # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration; an output for every request that progressed, finished or failed."""
+    def run_step(self) -> list[SeqUpdate]:
+        """One iteration of the core; a delta for every sequence that got a token, finished or failed."""
         t0 = time.perf_counter()
         updates = self.core.step() if self.core.has_unfinished() else []
-        outputs, commands = self.output_processor.process(updates)
-        for c in commands:
-            self.core.finish_request(c.seq_id, c.status, c.reason)
         self.last_step_time = time.perf_counter() - t0
-        return outputs
+        return updates
 
     def save_trace(self) -> None:
         """Write the step trace (config.step_trace) and its Chrome version beside it."""
@@ -256,10 +183,64 @@ class Engine:
         tracer.save(path)
         tracer.save_chrome(chrome_path(path))
 
-    def stats(self) -> dict:
-        d = self.core.stats_dict()
-        d["last_step_time"] = self.last_step_time
-        return d
+    def stats(self) -> EngineStats:
+        """The core's snapshot, with the latest step's time (Engine.step: output processing included)."""
+        return self.core.engine_stats().replace(last_step_time=self.last_step_time)
+
+    def input_processor(self) -> InputProcessor:
+        """Validation against this engine's model, for a front end (here or in another process)."""
+        return InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                              self.model_config.eos_token_ids, self.grammars)
+
+
+class Engine(EngineBackend):
+    """The engine core and its front end in one process (``LLM``, the in-process ``AsyncEngine``)."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        super().__init__(config, loaded)
+        self.frontend = FrontEnd(self.input_processor(), self.config.seed)
+        self.output_processor = self.frontend.outputs
+
+    def new_request_id(self) -> str:
+        return self.frontend.new_request_id()
+
+    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> ProcessedInput:
+        """Tokenize and validate a prompt; raises InvalidRequestError (a ValueError) saying why it cannot run."""
+        return self.frontend.process_inputs(prompt, params)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError with a clear message if the request can never run."""
+        self.frontend.inputs.validate(prompt_token_ids, params)
+
+    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request; raises InvalidRequestError (nothing is queued) if it cannot run."""
+        if self.core.dead:
+            raise EngineDeadError(self.core.dead_reason)
+        arrival = arrival_time if arrival_time is not None else self.core.clock()
+        req = self.frontend.register(prompt, params, request_id, priority, arrival)
+        try:
+            self.add(req)
+        except BaseException:
+            self.frontend.forget(req.request_id)
+            raise
+        return req.request_id
+
+    def abort_request(self, request_id: str, report: bool = True) -> None:
+        """Abort now; its KV blocks are free for the next step. report=False: no final output."""
+        self.core.abort_requests(self.frontend.abort(request_id, report))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.frontend.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; an output for every request that progressed, finished or failed."""
+        t0 = time.perf_counter()
+        outputs, stops = self.frontend.process(self.run_step())
+        for command in stops:
+            self.stop(command)
+        self.last_step_time = time.perf_counter() - t0
+        return outputs
 
 
 def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int, int]:
@@ -270,55 +251,8 @@ def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int,
     return num_blocks, int(config.swap_space_gib * GIB // block_bytes)
 
 
-def cache_salt(prompt: object) -> str | None:
-    """A dict prompt's "cache_salt" (vLLM's): a non-empty string, or None when not given."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}")
-    return salt
 
 
-def grammar_backend(tokenizer, vocab_size: int):
-    """The structured-output compiler for this tokenizer (llguidance loads on first use)."""
-    from conveyor.sampling.structured import GrammarBackend
-
-    return GrammarBackend(tokenizer.backend.to_str(), list(tokenizer.eos_token_ids), vocab_size)
-
-
-def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word as the tokens it is generated as: alone, and after a space (as vLLM does)."""
-    out = []
-    for word in words:
-        for variant in (word, " " + word.lstrip()):
-            ids = tokenizer.encode(variant, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
-
-
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                     grammars=None) -> None:
-    """InvalidRequestError with a clear message if the request can never run on this engine."""
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise InvalidRequestError("the prompt is empty")
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
-    if n >= max_model_len:
-        raise InvalidRequestError(
-            f"the prompt has {n} tokens, {n - max_model_len + 1} more than the context of "
-            f"{max_model_len} tokens allows (prompt + at least one generated token; the limit is the "
-            f"smaller of the model's context and the KV cache)")
-    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})")
-    if params.stop:
-        compile_stops(tuple(params.stop))   # built here (the caller's thread), cached for the engine's
-    if params.structured_outputs is not None and grammars is not None:
-        try:
-            grammars.compile(params.structured_outputs)   # the caller's thread; cached for the engine
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
 
 
 def chrome_path(path: str) -> str:
@@ -337,15 +271,3 @@ def load_cost_model(spec: str | None, model_name: str, dtype: str) -> StepCostMo
     model = StepCostModel.load(path)
     logger.info("preemption costs from the profile %s", path)
     return model
-
-
-def token_id_list(ids: object) -> list[int]:
-    """A list of int token ids, or InvalidRequestError (no bools, no floats: 3.0 is not a token id)."""
-    if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
-    out = []
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got an element {t!r}")
-        out.append(int(t))
-    return out

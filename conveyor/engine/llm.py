@@ -11,6 +11,7 @@ from tqdm import tqdm
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedInput
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 
 # A dict: {"prompt": text} or {"prompt_token_ids": ids} (with an optional "prompt" text), and
@@ -79,7 +80,7 @@ class LLM:
             try:
                 inputs.append((self.engine.process_inputs(prompt, sp), int(priority[i])))
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"prompt {i}: {e}") from None
+                raise InvalidRequestError(f"prompt {i}: {e}", e.param, e.code) from None
         return inputs
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -130,5 +131,5 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

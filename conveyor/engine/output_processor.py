@@ -1,4 +1,4 @@
-"""From the core's per-sequence updates to what callers receive, keyed by request id.
+"""From the core's per-sequence deltas to what callers receive, keyed by request id (front end).
 
 Owns everything about a request's output that is not scheduling: the ``n`` sibling
 sequences of one request, incremental detokenization, stop strings (scanned incrementally,
@@ -18,6 +18,7 @@ from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.engine.stop_strings import StopScanner
 from conveyor.request import RequestMetrics, RequestStatus
 from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.output import LogprobEntry
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,13 +89,13 @@ class OutputProcessor:
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            seqs: list[tuple[str, RequestMetrics]]) -> None:
-        """Register a request and its sibling sequences (sequence id, metrics) before they run."""
+            seq_ids: list[str], arrival_time: float) -> None:
+        """Register a request and its sibling sequences before they run."""
         assert request_id not in self._groups
         group = _Group(request_id, prompt, prompt_token_ids, params, [])
-        for i, (seq_id, metrics) in enumerate(seqs):
+        for i, seq_id in enumerate(seq_ids):
             seq = _Seq(seq_id, i, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                       StopScanner(params.stop) if params.stop else None, metrics)
+                       StopScanner(params.stop) if params.stop else None, RequestMetrics(arrival_time))
             group.seqs.append(seq)
             self._seqs[seq_id] = (group, seq)
         self._groups[request_id] = group
@@ -104,6 +105,10 @@ class OutputProcessor:
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)
+
+    def live_seq_ids(self, request_id: str) -> list[str]:
+        group = self._groups.get(request_id)
+        return [] if group is None else [s.seq_id for s in group.seqs if not s.finished]
 
     def abort(self, request_id: str, report: bool = True) -> list[str]:
         """Mark a request aborted; returns the ids of its sequences the core must abort."""
@@ -144,7 +149,8 @@ class OutputProcessor:
         return outputs, commands
 
     def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
-        seq.metrics = u.metrics
+        if u.metrics is not None:   # sent with the first token and the finish
+            seq.metrics = u.metrics
         if u.prompt_logprobs is not None and group.prompt_logprobs is None:
             group.prompt_logprobs = [logprob_objects(e, self._token_text) for e in u.prompt_logprobs]
         if u.embedding is not None:
@@ -217,12 +223,14 @@ class OutputProcessor:
                              embedding=group.embedding)
 
 
-def logprob_objects(entry: dict[int, float] | None, text_of) -> dict[int, Logprob] | None:
-    """{token: Logprob}: floats that also read as vLLM's Logprob (.logprob, .rank, .decoded_token)."""
+def logprob_objects(entry: LogprobEntry | None, text_of) -> dict[int, Logprob] | None:
+    """{token: Logprob}: floats that also read as vLLM's Logprob (.logprob, .rank, .decoded_token).
+    The top-k tokens are ranked by their order; the target (sampled or prompt) token has its exact
+    rank from the runner, also when it lies outside the top-k."""
     if entry is None:
         return None
-    ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-    return {t: Logprob(v, r + 1, text_of(t)) for r, (t, v) in enumerate(ranked)}
+    ranked = sorted(entry.logprobs.items(), key=lambda kv: -kv[1])
+    return {t: Logprob(v, entry.rank if t == entry.token_id else r + 1, text_of(t)) for r, (t, v) in enumerate(ranked)}
 
 
 def error_output(request_id: str, message: str, prompt: str | None = None,

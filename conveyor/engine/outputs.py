@@ -9,8 +9,8 @@ from conveyor.request import RequestMetrics
 
 class Logprob(float):
     """A token's logprob: a float (so {token: logprob} dicts keep working) that also has vLLM's
-    Logprob fields. `rank` is the position among the entry's tokens (1 = most likely); for a sampled
-    token outside the requested top-k it is a lower bound."""
+    Logprob fields. `rank` is the position under the model's raw logits (1 = most likely): exact
+    for the sampled (or prompt) token, even outside the requested top-k."""
 
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
         obj = super().__new__(cls, logprob)

@@ -1,12 +1,14 @@
 """The engine's step loop in its own process, behind the same EngineClient protocol.
 
-The server's process keeps HTTP, tokenization and the streams; a child process (spawned, not
-forked: torch's thread pools do not survive a fork) loads the model and runs ``EngineLoop``.
-Commands go down one pipe, each step's outputs and stats come back up another as one pickled
-message. Nothing but plain data crosses (the seam of the engine core makes that possible),
-and the two processes share no GIL: the event loop's work no longer waits for the engine's
-Python, nor the other way round. The child ignores SIGINT/SIGTERM — the parent decides when it
-stops (a Stop command, or the command pipe closing when the parent dies).
+The server's process is the front end: HTTP, tokenization, validation (once), detokenization,
+stop strings and the streams. A child process (spawned, not forked: torch's thread pools do not
+survive a fork) loads the model and runs ``EngineLoop`` over an ``EngineBackend``. Validated
+requests (``EngineRequest``) and finishes go down one pipe; each step's per-sequence deltas
+(new token ids, their logprobs, finishes) and stats come back up another as one pickled
+message -- what a step adds, never a request's text or history again. The two processes share
+no GIL, so the front end's work on step N's deltas runs while the child computes step N+1.
+The child ignores SIGINT/SIGTERM — the parent decides when it stops (a Stop command, or the
+command pipe closing when the parent dies).
 """
 
 from __future__ import annotations
@@ -19,15 +21,14 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-from typing import Any
 
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Abort, Add, EngineLoop, Stop, StreamingClient
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.engine import grammar_backend, validate_request
-from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.async_engine import Add, EngineLoop, Stop, StreamingClient
+from conveyor.engine.core import EngineDeadError, SeqUpdate
+from conveyor.engine.frontend import Finish, FrontEnd
+from conveyor.engine.inputs import InputProcessor, grammar_backend
+from conveyor.engine.stats import EngineStats
 from conveyor.model.loader import load_tokenizer
-from conveyor.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ class _PipeSink:
     def __init__(self, conn):
         self.conn = conn
 
-    def deliver(self, outputs: list[RequestOutput], stats: dict[str, Any], applied_seqs: int) -> None:
-        self.conn.send(("out", outputs, stats, applied_seqs))
+    def deliver(self, updates: list[SeqUpdate], stats: EngineStats, applied_seqs: int) -> None:
+        self.conn.send(("out", updates, stats, applied_seqs))
 
     def failed(self, error: BaseException) -> None:
         self.conn.send(("failed", str(error), isinstance(error, EngineDeadError)))
@@ -61,9 +62,9 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     try:
-        from conveyor.engine.engine import Engine
+        from conveyor.engine.engine import EngineBackend
 
-        engine = Engine(config)
+        engine = EngineBackend(config)
     except BaseException as e:   # noqa: BLE001 - the parent reports it
         results.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -71,7 +72,7 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
     freeze_gc()
     results.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                             "vocab_size": engine.model_config.vocab_size, "stats": engine.stats(),
-                            "dtype": engine.dtype}))
+                            "dtype": engine.dtype, "eos_token_ids": list(engine.model_config.eos_token_ids)}))
 
     def forward() -> None:
         while True:
@@ -80,7 +81,8 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
             except (EOFError, OSError):   # the parent is gone: stop now
                 loop.post(Stop(time.monotonic()))
                 return
-            constraint = getattr(getattr(command, "params", None), "structured_outputs", None)
+            request = getattr(command, "request", None)
+            constraint = request.params.structured_outputs if request is not None else None
             if constraint is not None:   # compile here, off the step loop (the loop finds it cached)
                 try:
                     engine.grammars.compile(constraint)
@@ -101,7 +103,7 @@ class ProcessEngine(StreamingClient):
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         self._results, results_send = ctx.Pipe(duplex=False)
         # Before the child starts: a GGUF is converted once, here.
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=False,
                                  args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
         self._proc.start()
@@ -118,10 +120,11 @@ class ProcessEngine(StreamingClient):
             self._proc.join(timeout=5)
             raise RuntimeError(f"the engine process could not start: {first[1]}")
         info = first[1]
-        super().__init__(max_waiting, info["stats"])
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
-        self._grammars = grammar_backend(self.tokenizer, self.vocab_size)   # a bad grammar is a 400 here
+        grammars = grammar_backend(tokenizer, self.vocab_size)   # a bad grammar is a 400 here
+        inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"], grammars)
+        super().__init__(max_waiting, info["stats"], FrontEnd(inputs, config.seed))
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)
         self._receiver.start()
@@ -135,10 +138,7 @@ class ProcessEngine(StreamingClient):
         if self._proc.is_alive():
             self._proc.kill()
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self._grammars)
-
-    def _post(self, command: Add | Abort | Stop) -> None:
+    def _post(self, command: Add | Finish | Stop) -> None:
         try:
             with self._send_lock:
                 self._commands.send(command)

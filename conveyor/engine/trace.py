@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from conveyor.engine.stats import EngineStats
 from conveyor.scheduler.output import SchedulerOutput
 
 
@@ -48,12 +49,12 @@ class StepTracer:
     timeline: list[float] = field(default_factory=list)   # a driver's clock reads (see sim/harness.py)
 
     def record(self, plan: SchedulerOutput, t: float, dt: float, before: tuple[int, ...],
-               after: tuple[int, ...], stats: dict, failed: int) -> None:
+               after: tuple[int, ...], stats: EngineStats, failed: int) -> None:
         """`before`/`after`: the scheduler's (preemptions, swaps out, swaps in[, recomputes]) around the step."""
         self.records.append(StepRecord(
             plan.step, t, dt, len(plan.scheduled), plan.num_prefill_tokens, plan.num_decode_tokens,
-            after[0] - before[0], after[1] - before[1], after[2] - before[2], stats["kv_usage"],
-            stats["num_running"], stats["num_waiting"], stats["num_swapped"], failed,
+            after[0] - before[0], after[1] - before[1], after[2] - before[2], stats.kv_usage,
+            stats.num_running, stats.num_waiting, stats.num_swapped, failed,
             [[s.request_id, s.num_tokens] for s in plan.scheduled] if self.detail else None,
             after[3] - before[3] if len(after) > 3 else None))
 

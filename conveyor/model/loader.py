@@ -91,11 +91,10 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     from conveyor.model.attention import make_attention_backend
     from conveyor.model.linear import gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
+    from conveyor.model.shard import Shard
 
     rows = None
     if tp is not None:
-        from conveyor.parallel.tp import Shard
-
         shard = Shard.of(cfg, tp.rank, tp.world)
         weights = shard.shard_weights(cfg, weights)
         cfg, rows, tp.vocab_size = shard.local_config(cfg), shard.vocab_shard, cfg.vocab_size

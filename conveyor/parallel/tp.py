@@ -5,14 +5,16 @@ head they read; when there are fewer KV heads than ranks, a KV head is replicate
 heads split), a column slice of gate/up and the matching row slice of down_proj, and a vocab
 slice of the LM head. The partial outputs of o_proj and down_proj are summed by an all-reduce;
 the LM head's vocab slices are gathered on rank 0. The embedding (a lookup, no compute) and the
-norms are replicated.
+norms are replicated. The split itself (``Shard``) is conveyor/model/shard.py: the loader
+builds a rank's slice with it, and the model package sits below this one.
 
 One scheduler, on rank 0 (the driver): each step it broadcasts the plain-data SchedulerOutput
 (``broadcast_object_list``), every rank runs its slice, and rank 0 samples from the gathered
 logits. Sampling stays on the driver because the sampler's state (seeded generators, penalties
 over the output so far) lives beside the scheduler there, and only the driver needs the tokens;
 the price is one gather of ``[rows, vocab]`` logits per step. Each rank holds its heads' slice
-of every KV block; the block tables are the driver's and travel in the plan.
+of every KV block; the block tables are the driver's scheduler's, and every rank rebuilds the
+same ones from the plans' deltas (new requests in full, then only new block ids: runner/state.py).
 
 Launch: ``start_group`` spawns ranks 1..N-1 on this machine (a free TCP port on 127.0.0.1), or,
 under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), joins the group that
@@ -21,7 +23,6 @@ torchrun's other processes join with ``run_worker_from_env``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.model.config import ModelConfig
+from conveyor.model.shard import Shard, head_ranges, split  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -41,90 +42,6 @@ logger = logging.getLogger(__name__)
 # also the longest a server may sit idle; a crashed rank closes its sockets and fails the
 # others' collectives at once, long before this.
 _TIMEOUT = datetime.timedelta(days=365)
-
-
-def split(n: int, world: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's share of n items split as evenly as possible (the first get one more)."""
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
-
-
-def head_ranges(nq: int, nkv: int, world: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(q heads, kv heads) of a rank, as [start, stop) ranges; every rank's q heads read only its kv heads."""
-    group = nq // nkv
-    if nkv >= world:   # whole GQA groups, as evenly as possible (9 q / 3 kv heads on 2 ranks: 6+3)
-        kv = split(nkv, world, rank)
-        return (kv[0] * group, kv[1] * group), kv
-    if world % nkv or group % (world // nkv):
-        raise ValueError(f"cannot split {nq} attention heads with {nkv} KV heads over {world} ranks "
-                         f"(with fewer KV heads than ranks, ranks must divide evenly over KV heads and "
-                         f"their q heads)")
-    per_kv = world // nkv   # fewer KV heads than ranks: each KV head is replicated on per_kv ranks
-    kv, part = divmod(rank, per_kv)
-    q0 = kv * group + part * (group // per_kv)
-    return (q0, q0 + group // per_kv), (kv, kv + 1)
-
-
-@dataclass(slots=True, frozen=True)
-class Shard:
-    """What rank `rank` of `world` holds."""
-
-    rank: int
-    world: int
-    q_heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-    intermediate: tuple[int, int]
-    vocab_size: int          # the full vocabulary
-    vocab_shard: int         # LM-head rows per rank (the last rank's are zero-padded)
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, world: int) -> Shard:
-        if world > cfg.num_attention_heads:
-            raise ValueError(f"tensor_parallel_size {world} exceeds the model's {cfg.num_attention_heads} "
-                             f"attention heads")
-        q, kv = head_ranges(cfg.num_attention_heads, cfg.num_key_value_heads, world, rank)
-        return cls(rank, world, q, kv, split(cfg.intermediate_size, world, rank), cfg.vocab_size,
-                   -(-cfg.vocab_size // world))
-
-    def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The config of this rank's slice (its heads and MLP width; the LM head is never tied)."""
-        return dataclasses.replace(cfg, num_attention_heads=self.q_heads[1] - self.q_heads[0],
-                                   num_key_value_heads=self.kv_heads[1] - self.kv_heads[0],
-                                   intermediate_size=self.intermediate[1] - self.intermediate[0],
-                                   tie_word_embeddings=False)
-
-    def shard_weights(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """HF-named weights of the full model -> this rank's slices, still HF-named."""
-        hd = cfg.head_dim
-        q = slice(self.q_heads[0] * hd, self.q_heads[1] * hd)
-        kv = slice(self.kv_heads[0] * hd, self.kv_heads[1] * hd)
-        inter = slice(*self.intermediate)
-        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": inter, "up_proj": inter}
-        cols = {"o_proj": q, "down_proj": inter}
-        out: dict[str, torch.Tensor] = {}
-        for name, t in weights.items():
-            parts = name.split(".")
-            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-            if module in rows:
-                out[name] = t[rows[module]]
-            elif module in cols and kind == "weight":
-                out[name] = t[:, cols[module]]
-            elif module in cols:   # a bias added after the all-reduce: once, on rank 0
-                out[name] = t if self.rank == 0 else torch.zeros_like(t)
-            elif name.removeprefix("model.") == "lm_head.weight":
-                continue
-            else:
-                out[name] = t
-        head = weights.get("lm_head.weight")
-        if head is None or cfg.tie_word_embeddings:
-            head = weights.get("model.embed_tokens.weight", weights.get("embed_tokens.weight"))
-        start = self.rank * self.vocab_shard
-        piece = head[start:start + self.vocab_shard]
-        if piece.shape[0] < self.vocab_shard:
-            piece = torch.cat([piece, piece.new_zeros(self.vocab_shard - piece.shape[0], piece.shape[1])])
-        out["lm_head.weight"] = piece
-        return out
 
 
 class TPGroup:

@@ -1,4 +1,9 @@
-"""The model executor: a step's plan -> tensors -> the model -> sampled tokens; and swap copies."""
+"""The model executor: a step's plan -> tensors -> the model -> sampled tokens; and swap copies.
+
+It keeps each request's block table and sampling state between steps (``RunnerState``, updated
+from each plan's deltas), and names every result by request id: logit rows come in the model's
+layout (prefills, then decodes by context length) and are never permuted back.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,10 @@ from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
-from conveyor.sampling.sampler import Sampler, logprob_entries
+from conveyor.runner.state import RunnerState
+from conveyor.sampling.sampler import Sampler, SamplerOutput, logprob_entries
 from conveyor.sampling.structured import apply_bitmask
-from conveyor.scheduler.output import ModelOutput, SchedulerOutput
+from conveyor.scheduler.output import LogprobEntry, ModelOutput, SchedulerOutput
 
 
 def apply_logit_edits(logits: torch.Tensor, rows: list) -> None:
@@ -46,29 +52,46 @@ def pooled_rows(s, start: int) -> list[int]:
     return [start + s.num_tokens - 1]
 
 
-def pool_hidden(plan: SchedulerOutput, hidden: torch.Tensor) -> dict:
-    """Per embedding request: the float32 sum of its pooled rows (mean) or its last row (last)."""
+def pool_hidden(plan: SchedulerOutput, hidden: torch.Tensor, state: RunnerState) -> dict[str, list[float]]:
+    """Add each embedding request's pooled rows (float32: their sum for mean, the last row for last)
+    to its running sum in the runner's state; the requests whose prompt ends here get their
+    L2-normalised embedding."""
     out, row = {}, 0
     for s in plan.scheduled:
         if s.pooling is None:
             continue
-        n = s.num_tokens if s.pooling == "mean" else 1
+        mean = s.pooling == "mean"
+        n = s.num_tokens if mean else 1
         rows = hidden[row:row + n].float()
-        out[s.request_id] = rows.sum(0) if s.pooling == "mean" else rows[0]
         row += n
+        held = state.requests[s.request_id]
+        part = rows.sum(0) if mean else rows[0]
+        held.pooled = part if held.pooled is None or not mean else held.pooled + part
+        if s.pool_end:
+            v = held.pooled / (s.num_computed_tokens + s.num_tokens) if mean else held.pooled
+            out[s.request_id] = (v / v.norm().clamp_min(1e-12)).tolist()
     return out
 
 
-def prompt_logprobs(plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[dict[int, float]]]:
-    """Per request: {target token: logprob} plus the top-k alternatives, for each row in order."""
+def prompt_logprobs(plan: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[LogprobEntry]]:
+    """Per request: {target token: logprob} plus the top-k alternatives and the target's rank, for each row in order."""
     seqs = [s for s in plan.scheduled if s.prompt_targets]
-    targets = torch.tensor([t for s in seqs for t in s.prompt_targets], device=logits.device)
-    entries, _ = logprob_entries(logits, targets, [s.prompt_logprobs for s in seqs for _ in s.prompt_targets])
+    flat = [t for s in seqs for t in s.prompt_targets]
+    entries, ranks = logprob_entries(logits, torch.tensor(flat, device=logits.device),
+                                     [s.prompt_logprobs for s in seqs for _ in s.prompt_targets])
     out, row = {}, 0
     for s in seqs:
-        out[s.request_id] = entries[row:row + len(s.prompt_targets)]
-        row += len(s.prompt_targets)
+        end = row + len(s.prompt_targets)
+        out[s.request_id] = [LogprobEntry(*e) for e in zip(entries[row:end], flat[row:end], ranks[row:end])]
+        row = end
     return out
+
+
+def sampled_logprobs(ids: list[str], result: SamplerOutput) -> dict[str, LogprobEntry] | None:
+    """The sampled tokens' entries, by request id, for the rows that asked for logprobs."""
+    out = {rid: LogprobEntry(lp, token, rank)
+           for rid, lp, token, rank in zip(ids, result.logprobs, result.token_ids, result.ranks) if lp is not None}
+    return out or None
 
 
 class ModelRunner:
@@ -86,8 +109,9 @@ class ModelRunner:
         self.kv_layers = self.kv.layers
         kernels = cpu_kernels(self.device, dtype)
         self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None) if sample else None
-        self.record_logits = False       # tests: keep the latest step's logits (rows in scheduling order)
-        self.last_logits: torch.Tensor | None = None
+        self.state = RunnerState()       # each request's block table and sampling state, from the plans' deltas
+        self.record_logits = False       # tests: keep the latest step's logits rows, by request id
+        self.last_logits: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
@@ -101,35 +125,34 @@ class ModelRunner:
         pooled = None
         if isinstance(logits, tuple):   # embedding requests: their rows' hidden states come back too
             logits, hidden = logits
-            pooled = pool_hidden(plan, hidden)
+            pooled = pool_hidden(plan, hidden, self.state) or None
         prompt = None
         if inputs.logits_indices.numel() < logits.shape[0]:   # rows for prompt logprobs follow the sampled ones
             prompt = prompt_logprobs(plan, logits[inputs.logits_indices.numel():])
             logits = logits[:inputs.logits_indices.numel()]
-        # Logit rows follow the model's layout; the sampler and the scheduler use scheduling order.
-        row_of = {idx: r for r, idx in enumerate(inputs.sample_order)}
-        sampled = [i for i, s in enumerate(plan.scheduled) if s.sampling is not None]
-        perm = [row_of[i] for i in sampled]
-        if perm != list(range(len(perm))):
-            logits = logits[torch.tensor(perm, device=logits.device)]
-        edits = [(r, plan.scheduled[i].sampling) for r, i in enumerate(sampled)
-                 if plan.scheduled[i].sampling.params.has_logit_edits]
+        # Logit rows follow the model's layout; each is named by its request id from here on.
+        ids = [plan.scheduled[i].request_id for i in inputs.sample_order]
+        rows = [self.state.row(rid) for rid in ids]
+        edits = [(r, row) for r, row in enumerate(rows) if row.params.has_logit_edits]
         if edits:   # logit_bias, allowed_token_ids, bad words
             apply_logit_edits(logits, edits)
         if plan.grammar_bitmask is not None:   # structured outputs: disallowed tokens to -inf
-            apply_bitmask(logits, plan.grammar_rows, plan.grammar_bitmask)
+            row_of = {rid: r for r, rid in enumerate(ids)}
+            apply_bitmask(logits, [row_of[rid] for rid in plan.grammar_ids], plan.grammar_bitmask)
         if self.record_logits:
-            self.last_logits = logits
-        if not sampled:
-            return ModelOutput([], None, prompt, pooled)
-        result = self.sampler(logits, [plan.scheduled[i].sampling for i in sampled])
-        return ModelOutput(result.token_ids, result.logprobs, prompt, pooled)
+            self.last_logits = dict(zip(ids, logits))
+        if not ids:
+            return ModelOutput({}, None, prompt, pooled)
+        result = self.sampler(logits, rows)
+        return ModelOutput(dict(zip(ids, result.token_ids)), sampled_logprobs(ids, result), prompt, pooled)
 
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput):
-        """The model on the plan's tokens: (logits in the model's row order, the inputs built)."""
-        work = [SeqWork(s.token_ids, s.num_computed_tokens, s.block_table, s.sampling is not None)
-                for s in plan.scheduled]
+        """The model on the plan's tokens: (logits in the model's row order, the inputs built).
+        Takes the plan's deltas into the runner's state first (every tensor-parallel rank calls this)."""
+        self.state.apply(plan)
+        table = self.state.block_table
+        work = [SeqWork(s.token_ids, s.num_computed_tokens, table(s.request_id), s.sample) for s in plan.scheduled]
         inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups)
         indices = inputs.logits_indices
         extra = [inputs.starts[i] + j for i, s in enumerate(plan.scheduled) if s.prompt_targets

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from conveyor.errors import InvalidRequestError
 from conveyor.sampling.structured import StructuredOutputsParams
 
 _MAX_LOGPROBS = 20
@@ -91,9 +92,10 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                                      "stop_token_ids")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -103,70 +105,72 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def check(ok: bool, msg: str) -> None:
+        def check(ok: bool, param: str, msg: str) -> None:
             if not ok:
-                raise ValueError(msg)
+                raise InvalidRequestError(msg, param)
 
-        # Type checks come first in each condition so that a wrong type gets this ValueError,
-        # not a TypeError from the comparison.
-        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        # Type checks come first in each condition so that a wrong type gets this error (a
+        # ValueError naming the parameter), not a TypeError from the comparison.
+        check(_is_int(self.n) and self.n >= 1, "n", f"n must be an integer >= 1, got {self.n!r}")
         check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= 64),
-              f"best_of must be an integer in [n, 64], got {self.best_of!r}")
+              "best_of", f"best_of must be an integer in [n, 64], got {self.best_of!r}")
         check(_is_real(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
-              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+              "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_real(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
-              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+              "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         lo, hi = REPETITION_PENALTY_RANGE
         check(_is_real(self.repetition_penalty) and lo <= self.repetition_penalty <= hi,
-              f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
+              "repetition_penalty", f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty!r}")
         check(_is_real(self.temperature) and 0.0 <= self.temperature <= 100.0,
-              f"temperature must be in [0, 100], got {self.temperature!r}")
+              "temperature", f"temperature must be in [0, 100], got {self.temperature!r}")
         check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
-              f"top_p must be in (0, 1], got {self.top_p!r}")
+              "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         check(_is_int(self.top_k) and self.top_k >= 0,
-              f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}")
+              "top_k", f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}")
         check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
-              f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+              "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(self.seed is None or _is_int(self.seed), "seed", f"seed must be an integer, got {self.seed!r}")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"max_tokens must be at least 1, got {self.max_tokens!r}")
+              "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0,
-              f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+              "min_tokens", f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              "min_tokens",
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= _MAX_LOGPROBS),
-              f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
-        check(self.pooling in (None, "mean", "last"), f"pooling must be mean or last, got {self.pooling!r}")
+              "logprobs", f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(self.pooling in (None, "mean", "last"), "pooling", f"pooling must be mean or last, got {self.pooling!r}")
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             _is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items())),
-            "logit_bias must map token ids to biases in [-100, 100]")
+            "logit_bias", "logit_bias must map token ids to biases in [-100, 100]")
         check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
                                                  and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-              "allowed_token_ids must be a non-empty list of token ids")
+              "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
         check(self.bad_words is None or (isinstance(self.bad_words, list)
                                          and all(isinstance(w, str) and w for w in self.bad_words)),
-              "bad_words must be a list of non-empty strings")
+              "bad_words", "bad_words must be a list of non-empty strings")
         check(self.logits_processors is None or (isinstance(self.logits_processors, list)
                                                  and all(callable(f) for f in self.logits_processors)),
-              "logits_processors must be a list of callables")
+              "logits_processors", "logits_processors must be a list of callables")
         check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
                                                       and self.truncate_prompt_tokens >= 1),
+              "truncate_prompt_tokens",
               f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
-              f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+              "prompt_logprobs", f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         check(self.max_queue_time is None or (_is_real(self.max_queue_time) and self.max_queue_time > 0),
-              f"max_queue_time must be a number of seconds > 0, got {self.max_queue_time!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+              "max_queue_time", f"max_queue_time must be a number of seconds > 0, got {self.max_queue_time!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")
         check(len(self.stop) <= MAX_STOP_STRINGS,
-              f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+              "stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-              f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of "
+              "stop", f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long, got one of "
               f"{max(map(len, self.stop), default=0)}")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids must be non-negative integers")
+              "stop_token_ids", "stop_token_ids must be non-negative integers")
         check(all(_is_int(t) and t >= 0 for t in self.eos_token_ids),
-              "eos_token_ids must be non-negative integers")
+              "eos_token_ids", "eos_token_ids must be non-negative integers")
 
     @property
     def sampling_type(self) -> SamplingType:

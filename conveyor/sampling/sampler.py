@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from conveyor.sampling.params import SAMPLING_EPS, SamplingParams
-from conveyor.scheduler.output import SamplingRow
+from conveyor.sampling.row import SamplingRow
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "NonFiniteLogitsError", "uniforms"]
 

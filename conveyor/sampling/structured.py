@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -26,6 +28,11 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # whitespace lets a small model wander into blank lines until max_tokens cuts the JSON short.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256
+
+
+def _invalid(message: str) -> InvalidRequestError:
+    """A bad constraint, named as the structured_outputs parameter (a front end may rename it)."""
+    return InvalidRequestError(message, "structured_outputs")
 
 
 @dataclass(slots=True)
@@ -41,17 +48,17 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(given) or 'none'}")
+            raise _invalid(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
+                           f"{', '.join(given) or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            raise _invalid("structured_outputs.choice must be a non-empty list of non-empty strings")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from e
+                raise _invalid(f"structured_outputs.json is not valid JSON: {e}") from e
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+            raise _invalid("structured_outputs.json must be a JSON schema (an object)")
 
     @property
     def kind(self) -> str:
@@ -127,6 +134,23 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return proto
 
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """ValueError if the constraint cannot be compiled; the front end's check, without building
+        the matcher (the engine core compiles it, once, when the request arrives there)."""
+        from llguidance import LLMatcher
+
+        if params.key() in self._cache:
+            return
+        try:
+            grammar = params.to_grammar()
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from e
+        with self._lock:
+            tok = self._tokenizer()
+        error = LLMatcher.validate_grammar(grammar, tok)
+        if error:
+            raise ValueError(f"structured_outputs: the {params.kind} constraint cannot be compiled: {error}")
+
     def matcher(self, params: StructuredOutputsParams):
         """A fresh matcher for one sequence (a copy of the cached compiled grammar)."""
         return self.compile(params).deep_copy()
@@ -134,6 +158,36 @@ class GrammarBackend:
     @property
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
+
+    # ---- the step: the engine core calls these two, and nothing else of structured outputs ----
+    def step_masks(self, plan: Any, requests: dict) -> None:
+        """Set the plan's allowed-token bitmasks for its constrained sequences that sample this
+        step (``plan.grammar_ids``: row i's request), in one parallel call."""
+        ids, matchers = [], []
+        for s in plan.scheduled:
+            request = requests.get(s.request_id) if s.sample else None
+            if request is not None and request.grammar is not None:
+                ids.append(s.request_id)
+                matchers.append(request.grammar)
+        if matchers:
+            plan.grammar_ids = ids
+            plan.grammar_bitmask = self.fill_bitmasks(matchers)
+
+    @staticmethod
+    def accept(sampled: dict[str, int], requests: dict) -> None:
+        """Feed each constrained sequence the token it sampled. A grammar that refuses it, or that
+        can take nothing more, marks the request ``grammar_ended`` (the scheduler's finish check
+        then stops it: scheduler/stopping.py)."""
+        for rid, token in sampled.items():
+            request = requests.get(rid)
+            if request is None or request.grammar is None:
+                continue
+            if not request.grammar.consume_token(token):
+                logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", rid, token,
+                               request.grammar.get_error())
+                request.grammar_ended = True
+            elif request.grammar.is_stopped():   # nothing but the end can follow
+                request.grammar_ended = True
 
     def fill_bitmasks(self, matchers: list) -> Any:
         """An int32 tensor ``[len(matchers), ceil(vocab / 32)]``: bit t of row i set = token t allowed."""

@@ -1,8 +1,14 @@
 """The contract between the scheduler and an executor: what to run, and what came out.
 
-Plain data only (ids, token ids, positions, block tables, sampling parameters): an executor
-never sees a live ``Request``, so it can live in another process. The scheduler does not
-touch a plan's lists after handing it over.
+Plain data only (ids, token ids, positions, block ids, sampling parameters): an executor never
+sees a live ``Request``, so it can live in another process. Each plan carries what changed
+since the previous one, as in vLLM v1: a request the runner has not seen (new, resumed after a
+recompute preemption) comes once in full (``NewRequestData`` and its whole block table); after
+that only its new block ids and this step's tokens come, and the runner keeps the rest
+(``conveyor/runner/state.py``); a request swapped back in keeps that state and gets its new
+table whole (``replace_table``). ``forget_ids`` tells it whom to drop. Results
+name requests by id, never by position. The scheduler does not touch a plan's lists after
+handing it over.
 """
 
 from __future__ import annotations
@@ -11,16 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.row import SamplingRow  # noqa: F401 - re-exported (the runner's per-request view)
 
 
 @dataclass(slots=True)
-class SamplingRow:
-    """What the sampler needs of one sequence that samples a token this step."""
+class NewRequestData:
+    """What the runner keeps of a request it has not seen, sent once (the history only when the
+    sampler or a logit edit reads it: output ids for penalties, bad words and logits processors,
+    prompt ids for a repetition penalty)."""
 
     params: SamplingParams
     seed: int                                  # effective seed: params.seed, or one the engine drew
     num_output_tokens: int                     # generated so far, before this step
-    # Token history, present only when a penalty needs it (prompt: repetition penalty only).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
 
@@ -30,21 +38,22 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]        # tokens whose KV is computed this step (a prompt chunk, or one decode token)
     num_computed_tokens: int    # tokens already in the cache: the position of token_ids[0]
-    block_table: list[int]      # physical blocks covering num_computed_tokens + len(token_ids)
-    sampling: SamplingRow | None = None   # set when the chunk reaches the last known token: sample one
+    # Block ids to append to the runner's table of this request: the whole table when `new` is
+    # set, else those allocated since the last plan that named it (mostly none).
+    new_block_ids: list[int]
+    new: NewRequestData | None = None   # set when the runner does not hold this request
+    replace_table: bool = False         # swapped back in: new_block_ids is its whole (new) table
+    sample: bool = False        # the chunk reaches the last known token: sample one
     # Prompt logprobs: the prompt tokens that follow this chunk's first len(prompt_targets)
     # tokens (their logprobs come from those rows' logits), and how many top alternatives.
     prompt_targets: list[int] | None = None
     prompt_logprobs: int = 0
     pooling: str | None = None      # an embedding request: "mean" pools every row, "last" the prompt's last
+    pool_end: bool = False          # the chunk ends the prompt: return the normalised embedding
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def sample(self) -> bool:
-        return self.sampling is not None
 
 
 @dataclass(slots=True)
@@ -54,11 +63,14 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
     swapped_out_ids: list[str] = field(default_factory=list)        # requests whose KV swap_out copies
+    # Requests the runner must drop before this plan's (finished, aborted, failed, or preempted by
+    # recompute since an earlier plan): set only on plans that reach execute().
+    forget_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    # Structured outputs: allowed-token bitmasks (int32 [rows, ceil(vocab/32)]) for these rows of
-    # the sampled sequences (indices among the scheduled sequences that sample, in order).
-    grammar_rows: list[int] = field(default_factory=list)
+    # Structured outputs: allowed-token bitmasks (int32 [rows, ceil(vocab/32)]), row i for the
+    # sampling request grammar_ids[i].
+    grammar_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
 
     @property
@@ -75,10 +87,21 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
-class ModelOutput:
-    """One sampled token per scheduled sequence with ``sampling`` set, in scheduling order."""
+class LogprobEntry:
+    """One position's logprobs: the top-k alternatives and the target token (the sampled one, or
+    the prompt token), with the target's exact rank under the raw logits (1 = most likely) --
+    which the dict alone cannot tell when the target is outside the top-k."""
 
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None] | None = None
-    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None   # request id -> this chunk's entries
-    pooled: dict[str, Any] | None = None   # request id -> this chunk's summed (mean) or last hidden state
+    logprobs: dict[int, float]
+    token_id: int
+    rank: int
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What a step produced, keyed by request id (rows may come in any order)."""
+
+    sampled: dict[str, int] = field(default_factory=dict)   # request id -> its token, for each ``sample`` seq
+    logprobs: dict[str, LogprobEntry] | None = None        # request id -> the sampled token's entry
+    prompt_logprobs: dict[str, list[LogprobEntry]] | None = None   # request id -> this chunk's entries
+    embeddings: dict[str, list[float]] | None = None   # request id -> its normalised embedding (prompt done)

@@ -13,21 +13,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.scheduler.admission import AdmissionPolicy, make_admission_policy
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.deadlines import DeadlineHeap, queue_limit, timeout_message
-from conveyor.scheduler.output import ModelOutput, SamplingRow, ScheduledSeq, SchedulerOutput
+from conveyor.scheduler.output import ModelOutput, NewRequestData, ScheduledSeq, SchedulerOutput
 from conveyor.scheduler.preemption import (PreemptionCosts, eligible_victims, order_victims, victim_cost,
                                            victim_key)
+from conveyor.scheduler.pooling import chunk_pooling as pooling_of_chunk
+from conveyor.scheduler.prompt_logprobs import chunk_targets as prompt_targets
+from conveyor.scheduler.prompt_logprobs import reset as reset_prompt_logprobs
 from conveyor.scheduler.queue import WaitQueue
+from conveyor.scheduler.stopping import finish_verdict
 
 
 @dataclass(slots=True)
 class SchedulerStats:
+    """The scheduler's counters (engine/stats.py's EngineStats snapshots them with the KV cache's)."""
+
     steps: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -73,6 +79,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._arrivals = 0
         self.step = 0
+        # The runner's view (plans carry deltas): block ids of each request's table it holds, and
+        # the requests it must drop, pending until a plan that reaches update() carried them.
+        self._sent_blocks: dict[str, int] = {}
+        self._forget: list[str] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -107,6 +117,7 @@ class Scheduler:
             self.waiting.discard(request)
         self.kv.free(request)
         self.kv.forget(request)
+        self._unsend(request)
         request.finish(status, self.clock(), reason)
         self.requests.pop(request.request_id, None)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
@@ -166,6 +177,8 @@ class Scheduler:
                     self._unpin_swapped()
         finally:
             self.kv.end_step()   # the plan is built: host blocks its swap-ins read may serve the next one
+        if out.scheduled:   # (only such a plan reaches the executor's execute())
+            out.forget_ids = list(self._forget)
         self._record(out)
         return out
 
@@ -400,18 +413,21 @@ class Scheduler:
         choice = victim_cost(self.config.preemption_mode, victim, self.kv, self.costs)
         if victim.resumed_step == self.step and victim.swapped_in_step == self.step:
             choice.mode = "recompute"   # its swap-in copy is still pending: its blocks hold nothing yet
-        if choice.mode == "swap":
+        if choice.mode == "swap":   # the runner keeps its state; the table is sent anew on swap-in
+            if victim.request_id in self._sent_blocks:
+                self._sent_blocks[victim.request_id] = _RESEND_TABLE
             out.swap_out.extend(self.kv.swap_out(victim))
             out.swapped_out_ids.append(victim.request_id)
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
             self.stats.num_swaps_out += 1
             self.stats.blocks_swapped_out += choice.copied
-        else:
+        else:   # the runner forgets it: it comes back in full
+            self._unsend(victim)
             self.stats.tokens_recomputed += max(0, victim.num_computed_tokens
                                                 - self.kv.num_shared_prefix_tokens(victim))
             self.kv.free(victim)
-            victim.reset_computed()
+            _recompute_from_scratch(victim)
             victim.status = RequestStatus.WAITING
             self.stats.num_recomputes += 1
         self.waiting.push(victim)   # same (priority, arrival_seq): it keeps its place in the queue
@@ -427,7 +443,8 @@ class Scheduler:
         for req in [r for r in self.swapped if self.kv.num_pinned(r.request_id)]:
             self.swapped.remove(req)
             self.kv.free(req)
-            req.reset_computed()
+            self._unsend(req)
+            _recompute_from_scratch(req)
             req.status = RequestStatus.WAITING
             self.waiting.now_waiting(req)
             self.stats.num_swaps_dropped += 1
@@ -463,14 +480,12 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> ScheduledSeq:
         c = req.num_computed_tokens
         pooling = req.params.pooling
-        sampling = self._sampling_row(req) if c + n == req.num_tokens and pooling is None else None
-        seq = ScheduledSeq(req.request_id, req.all_token_ids[c:c + n], c, list(self.kv.block_table(req.request_id)),
-                           sampling)
-        if pooling == "mean" or (pooling == "last" and c + n == req.num_tokens):
-            seq.pooling = pooling   # rows to pool: every chunk's (mean), the prompt's last (last)
-        last = req.num_prompt_tokens - 1
-        if req.prompt_logprobs is not None and len(req.prompt_logprobs) == c + 1 and c < last:
-            seq.prompt_targets = req.prompt_token_ids[c + 1:min(c + n, last) + 1]
+        seq = ScheduledSeq(req.request_id, req.all_token_ids[c:c + n], c, [],
+                           sample=c + n == req.num_tokens and pooling is None)
+        self._send_state(req, seq)
+        seq.pooling, seq.pool_end = pooling_of_chunk(req, c, n)
+        seq.prompt_targets = prompt_targets(req, c, n)
+        if seq.prompt_targets is not None:
             seq.prompt_logprobs = req.params.prompt_logprobs
         out.scheduled.append(seq)
         if self._is_decode(req, n):
@@ -479,18 +494,39 @@ class Scheduler:
             out.num_prefill_tokens += n
         return seq
 
+    def _send_state(self, req: Request, seq: ScheduledSeq) -> None:
+        """What the runner lacks of the request: all of it if it does not hold it, else the block
+        ids allocated since it last got some (O(new blocks), whatever the context length)."""
+        rid = req.request_id
+        table = self.kv.block_table(rid)
+        sent = self._sent_blocks.get(rid)
+        if sent is None:
+            seq.new_block_ids, seq.new = list(table), self._new_request_data(req)
+        elif sent == _RESEND_TABLE:   # swapped back in: new device blocks, the rest the runner kept
+            seq.new_block_ids, seq.replace_table = list(table), True
+        else:
+            seq.new_block_ids = table[sent:]
+        self._sent_blocks[rid] = len(table)
+
     @staticmethod
-    def _sampling_row(req: Request) -> SamplingRow:
+    def _new_request_data(req: Request) -> NewRequestData:
         p = req.params
-        row = SamplingRow(p, req.seed, req.num_output_tokens)
+        new = NewRequestData(p, req.seed, req.num_output_tokens)
         if p.needs_penalties or p.bad_words_token_ids or p.logits_processors:   # they read the history
-            row.output_token_ids = req.output_token_ids
+            new.output_token_ids = req.output_token_ids   # (a copy: the property slices)
             if p.repetition_penalty != 1.0:
-                row.prompt_token_ids = req.prompt_token_ids
-        return row
+                new.prompt_token_ids = req.prompt_token_ids
+        return new
+
+    def _unsend(self, req: Request) -> None:
+        """The request leaves the runner (finished, or preempted by recompute): tell it to forget it."""
+        if self._sent_blocks.pop(req.request_id, None) is not None:
+            self._forget.append(req.request_id)
 
     def _unschedule(self, out: SchedulerOutput, seq: ScheduledSeq) -> int:
         out.scheduled.remove(seq)
+        if seq.new is not None:   # the runner never gets this full data: the request is still new to it
+            self._sent_blocks.pop(seq.request_id, None)
         if self._is_decode(self.requests[seq.request_id], seq.num_tokens):
             out.num_decode_tokens -= seq.num_tokens
         else:
@@ -506,52 +542,35 @@ class Scheduler:
 
     # ---- after the forward pass ------------------------------------------------------------
     def update(self, out: SchedulerOutput, model_out: ModelOutput | None) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish on eos/stop ids/length.
+        """Advance computed tokens, append sampled ones, finish what is done (scheduler/stopping.py).
 
         Returns the requests that got a new token this step (finished ones included).
         """
         now = self.clock()
         touched = []
-        i = 0
+        del self._forget[:len(out.forget_ids)]   # delivered (later ones were appended after them)
         for s in out.scheduled:
-            if s.sampling is not None:
-                token = model_out.token_ids[i]
-                i += 1
             req = self.requests.get(s.request_id)
             if req is None:   # finished (aborted, stopped) while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.publish_full_blocks(req)
-            if req.params.pooling is not None and req.num_computed_tokens >= req.num_prompt_tokens:
-                self.finish_request(req, RequestStatus.FINISHED_STOPPED)   # embedded: nothing to generate
-            if s.sampling is None:
-                continue
-            req.append_token(token, now)
-            self.stats.generation_tokens_total += 1
-            touched.append(req)
-            self._check_stop(req, token)
+            token = model_out.sampled[s.request_id] if s.sample else None
+            if token is not None:
+                req.append_token(token, now)
+                self.stats.generation_tokens_total += 1
+                touched.append(req)
+            verdict = finish_verdict(req, token)
+            if verdict is not None:
+                self.finish_request(req, *verdict)
         return touched
 
-    def _check_stop(self, req: Request, token: int) -> None:
-        p = req.params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in p.eos_token_ids:
-                self.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                return
-            if token in p.stop_token_ids:
-                self.finish_request(req, RequestStatus.FINISHED_STOPPED, token)
-                return
-        if n_out >= req.max_tokens:
-            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
 
-    def stats_dict(self) -> dict:
-        d = asdict(self.stats)
-        d.update(num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped))
-        pool = self.kv.prefix_cache_stats
-        d.update(kv_usage=self.kv.usage, num_kv_blocks=self.kv.num_blocks,
-                 num_free_kv_blocks=self.kv.num_free_blocks,
-                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
-                 prefix_cache_hit_rate=pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
-                 prefix_cache_evictions=pool.evictions, prefix_cache_mismatches=pool.mismatches)
-        return d
+_RESEND_TABLE = -1   # _sent_blocks: the runner holds the request but its table must be sent whole
+
+
+def _recompute_from_scratch(req: Request) -> None:
+    """Preempted by recompute: its KV is gone, so are the per-chunk results it would compute again
+    (a partial list of prompt logprobs; the runner forgets a pooled sum); sampled tokens stay."""
+    req.num_computed_tokens = 0
+    reset_prompt_logprobs(req)

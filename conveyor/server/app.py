@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import EngineClient
+from conveyor.engine.stats import EngineStats
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.embeddings import create_embedding
@@ -130,7 +131,7 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     return app
 
 
-def replica_states(client: EngineClient) -> list[tuple[dict, bool]]:
+def replica_states(client: EngineClient) -> list[tuple[EngineStats, bool]]:
     """(stats, serving) per engine replica: one for a single engine, N under data parallelism."""
     per_replica = getattr(client, "replica_stats", None)
     if per_replica is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from conveyor.errors import InvalidRequestError
 from conveyor.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,20 @@ class _ErrorResponse(JSONResponse):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def invalid_request(error: ValueError, rename: Mapping[str, str | None] | None = None,
+                    known: Container[str] | None = None) -> APIError:
+    """A 400 for a validation error, its ``param`` and ``code`` taken from the error's attributes
+    (never from its text). `rename`: the engine's parameter names this endpoint calls otherwise
+    (None: no single field of the request is to blame); `known`: the endpoint's fields (a name
+    outside them is not reported). A plain ValueError names no parameter."""
+    if not isinstance(error, InvalidRequestError):
+        return bad_request(str(error))
+    if rename and error.param in rename:
+        error = error.renamed(rename[error.param])
+    param = error.param if known is None or error.param in known else None
+    return bad_request(str(error), param, error.code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -10,7 +10,7 @@ from typing import TypeVar
 from conveyor.engine.async_engine import EngineClient
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import KINDS as STRUCTURED_KINDS, StructuredOutputsParams
-from conveyor.server.errors import APIError, bad_request
+from conveyor.server.errors import APIError, bad_request, invalid_request
 from conveyor.server.tools import ToolPlan, render_messages
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
@@ -147,7 +147,7 @@ def check_common(req: SamplingFields) -> None:
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str,
                     logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
-    """Build SamplingParams; their ValueError messages become 400s naming the API parameter."""
+    """Build SamplingParams; their errors become 400s naming the API parameter (by the error's `param`)."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
 
@@ -172,12 +172,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, max_queue_time=req.max_queue_time)
     except ValueError as e:
-        message = str(e)
-        param = message.split(" ", 1)[0]
-        api_name = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(param, param)
-        if api_name != param:
-            message = message.replace(param, api_name, 1)
-        raise bad_request(message, api_name if api_name in type(req).model_fields else None) from e
+        raise invalid_request(e, {"max_tokens": max_tokens_param, "logprobs": logprobs_param},
+                              type(req).model_fields) from e
 
 
 def format_constraint(kind: str, schema: object, name: str, schema_where: str, param: str) -> dict | None:
@@ -283,8 +279,8 @@ def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams,
                        param=prompt_param, code="context_length_exceeded")
     try:
         client.validate(prompt.token_ids, params)
-    except ValueError as e:
-        raise bad_request(str(e), None if str(e).startswith("structured_outputs") else prompt_param) from e
+    except ValueError as e:   # a constraint may come from several fields (response_format, guided_*, tools)
+        raise invalid_request(e, {"prompt": prompt_param, "structured_outputs": None}) from e
     if params.max_tokens is None:
         params = params.clone()
         params.max_tokens = limit - n

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import StructuredOutputsParams
-from conveyor.server.errors import APIError, bad_request
+from conveyor.server.errors import APIError, bad_request, invalid_request
 from conveyor.server.inputs import chat_prompt, fit_to_context, format_constraint, off_loop_if_big, text_chars
 from conveyor.server.protocol import ChatMessage, ResponsesRequest
 from conveyor.server.serving import (EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
@@ -61,7 +61,7 @@ def _params(req: ResponsesRequest) -> SamplingParams:
                               temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
     except ValueError as e:
-        raise bad_request(str(e)) from e
+        raise invalid_request(e, {"max_tokens": "max_output_tokens"}, type(req).model_fields) from e
 
 
 def _message_item(item_id: str, text: str, done: bool) -> dict[str, Any]:

@@ -45,7 +45,8 @@ def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: li
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(client.add_request(prompt.engine_input(cache_salt), sp, rid, priority))
+            streams.append(client.add_request(prompt.engine_input(cache_salt), sp, rid, priority,
+                                              validated=True))   # fit_to_context validated it
     except Overloaded as e:
         abort(client, streams)
         raise APIError(503, f"the server is overloaded: {e}; retry later", code="overloaded",

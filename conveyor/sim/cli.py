@@ -23,7 +23,7 @@ from pathlib import Path
 
 from conveyor.config import EngineConfig, add_engine_args, config_from_args, option_names
 from conveyor.paths import profile_path
-from conveyor.sim.cost import CostModel, StepCostModel
+from conveyor.scheduler.costs import CostModel, StepCostModel
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
 from conveyor.sim.simulator import SimResult, simulate
 from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities

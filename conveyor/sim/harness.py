@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from conveyor.engine.core import EngineCore
 from conveyor.engine.trace import StepTracer
 from conveyor.request import Request
+from conveyor.runner.state import RunnerState
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.sim.workload import TOKEN_RANGE, SimRequest
@@ -28,17 +29,21 @@ IDLE_STEP_S = 1e-3   # time to wait when a step computes nothing
 
 
 class OracleLengths:
-    """Makes every request end after its true output length: EOS there and only there."""
+    """Makes every request end after its true output length: EOS there and only there.
+
+    It follows the plans like a runner does (``RunnerState``) to know how many tokens each
+    request has generated: call ``fix`` once per executed plan."""
 
     def __init__(self) -> None:
         self.lengths: dict[str, int] = {}
+        self.state = RunnerState()
 
-    def fix(self, plan: SchedulerOutput, tokens: list[int]) -> list[int]:
-        sampled = (s for s in plan.scheduled if s.sampling is not None)
-        out = []
-        for s, token in zip(sampled, tokens):
-            last = s.sampling.num_output_tokens + 1 >= self.lengths[s.request_id]
-            out.append(EOS if last else (token if token != EOS else EOS + 1))
+    def fix(self, plan: SchedulerOutput, sampled: dict[str, int]) -> dict[str, int]:
+        self.state.apply(plan)
+        out = {}
+        for rid, token in sampled.items():
+            last = self.state.row(rid).num_output_tokens + 1 >= self.lengths[rid]
+            out[rid] = EOS if last else (token if token != EOS else EOS + 1)
         return out
 
 
@@ -53,7 +58,7 @@ class OracleExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         out = self.inner.execute(plan)
-        return ModelOutput(self.oracle.fix(plan, out.token_ids), out.logprobs)
+        return ModelOutput(self.oracle.fix(plan, out.sampled), out.logprobs)
 
 
 @dataclass

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.scheduler.costs import StepShape
 from conveyor.scheduler.output import SchedulerOutput
-from conveyor.sim.cost import StepShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 The simulation steps through the same ``EngineCore.step()`` as the engine, driven by the same
 harness (harness.py); only the executor and the clock differ. The executor "runs" a step in
 modelled time instead of calling a model: it advances a simulated clock by the cost model's
-step time (cost.py: fitted on this machine by ``conveyor profile``; roofline.py: a named GPU),
+step time (scheduler/costs.py: fitted on this machine by ``conveyor profile``; roofline.py: a named GPU),
 and each request emits EOS after its predetermined output length. Everything else —
 admission, preemption, chunking, prefix caching — is the production code path, so policies
 can be compared on thousands of requests in seconds. No torch here.
@@ -16,12 +16,13 @@ import statistics
 from dataclasses import dataclass, field
 
 from conveyor.engine.core import EngineCore
+from conveyor.engine.stats import EngineStats
 from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
 from conveyor.scheduler.config import SchedulerConfig
+from conveyor.scheduler.costs import CostModel, StepCostModel, preemption_costs
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
-from conveyor.sim.cost import CostModel, StepCostModel, preemption_costs
 from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
 from conveyor.sim.workload import TOKEN_RANGE, SimRequest
 
@@ -55,8 +56,7 @@ class CostModelExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         self.clock.advance(self.cost.step_time(plan))
-        n = sum(1 for s in plan.scheduled if s.sampling is not None)
-        return ModelOutput(self.oracle.fix(plan, [EOS + 1] * n))
+        return ModelOutput(self.oracle.fix(plan, {s.request_id: EOS + 1 for s in plan.scheduled if s.sample}))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -73,9 +73,10 @@ def percentile(xs: list[float], q: float) -> float:
 @dataclass
 class SimResult:
     records: list[RequestRecord]
-    stats: dict
+    stats: EngineStats                 # the replicas' stats combined
     traces: list[StepTracer] = field(default_factory=list)
     steps: int = 0
+    block_size: int = 16
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -150,10 +151,10 @@ class SimResult:
             out[f"mean_{m}_s"] = self.metric(f"{m}_mean")
             for p in (50, 90, 99):
                 out[f"p{p}_{m}_s"] = self.metric(f"{m}_p{p}")
-        out.update(num_preemptions=s["num_preemptions"], num_swaps_out=s["num_swaps_out"],
-                   num_recomputes=s["num_recomputes"], admission_deferrals=s["admission_deferrals"],
-                   recomputed_prompt_tokens=s["prompt_tokens_total"] - sum(r.prompt_len for r in self.records)
-                   + s["prefix_cache_hits"] * s["block_size"])
+        out.update(num_preemptions=s.num_preemptions, num_swaps_out=s.num_swaps_out,
+                   num_recomputes=s.num_recomputes, admission_deferrals=s.admission_deferrals,
+                   recomputed_prompt_tokens=s.prompt_tokens_total - sum(r.prompt_len for r in self.records)
+                   + s.prefix_cache_hits * self.block_size)
         if self.traces:
             out["mean_kv_usage"], out["peak_kv_usage"] = self.kv_usage()
         if slo:
@@ -174,21 +175,6 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
     return Replica(core, oracle, clock, clock.wait_until)
 
 
-def merge_stats(replicas: list[Replica]) -> dict:
-    """The replicas' stats summed (KV usage and hit rate: averaged)."""
-    dicts = [r.core.stats_dict() for r in replicas]
-    out = dict(dicts[0])
-    for d in dicts[1:]:
-        for k, v in d.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] += v
-    for k in ("kv_usage", "prefix_cache_hit_rate"):
-        out[k] = statistics.fmean(d[k] for d in dicts)
-    q, h = out["prefix_cache_queries"], out["prefix_cache_hits"]
-    out["prefix_cache_hit_rate"] = h / q if q else 0.0
-    return out
-
-
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,
              num_host_blocks: int = 0, cost: CostModel | None = None, *, replicas: int = 1,
              router: str = "least-loaded", prefix_caching: bool = False, trace: bool = False,
@@ -200,9 +186,8 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
             for _ in range(replicas)]
     records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)
     steps = sum(r.core.scheduler.step for r in reps)
-    stats = merge_stats(reps)
-    stats["block_size"] = block_size
-    return SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps)
+    stats = EngineStats.combine([r.core.engine_stats() for r in reps])
+    return SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps, block_size)
 
 
 class ReplayClock:

@@ -37,7 +37,7 @@ def test_a_prompt_past_its_deadline_fails_clearly_and_the_others_are_served(make
     assert outs[1].error.startswith("queue timeout:") and "max_queue_time of 0.1 s" in outs[1].error
     assert outs[1].outputs[0].token_ids == [] and outs[0].error is None and outs[2].error is None
     s = llm.stats()
-    assert s["num_queue_timeouts"] == 1 and s["kv_invariant_checks"] == 1 and s["kv_invariant_violations"] == 0
+    assert s.num_queue_timeouts == 1 and s.kv_invariant_checks == 1 and s.kv_invariant_violations == 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

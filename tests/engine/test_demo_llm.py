@@ -43,9 +43,9 @@ def test_preemption_on_the_demo_model(reference, mode):
     outs = small.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = small.stats()
-    assert stats["num_preemptions"] > 0
-    assert stats["num_swaps_out" if mode == "swap" else "num_recomputes"] > 0
-    assert stats["kv_usage"] == 0.0
+    assert stats.num_preemptions > 0
+    assert (stats.num_swaps_out if mode == "swap" else stats.num_recomputes) > 0
+    assert stats.kv_usage == 0.0
 
 
 def test_stop_string_and_chat(llm):

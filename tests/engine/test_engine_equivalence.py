@@ -57,11 +57,11 @@ def test_preemption_does_not_change_output(make_engine, alone, mode):
                          min_resident_steps=1)
     assert tokens(run_all(engine, prompts, GREEDY, check=check_blocks)) == ref
     stats = engine.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     if mode == "swap":
-        assert stats["num_swaps_out"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+        assert stats.num_swaps_out > 0 and stats.num_swaps_in == stats.num_swaps_out
     if mode == "recompute":
-        assert stats["num_recomputes"] > 0 and stats["num_swaps_out"] == 0
+        assert stats.num_recomputes > 0 and stats.num_swaps_out == 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert engine.kv.host.num_free == engine.kv.host.num_blocks
 
@@ -71,7 +71,7 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full(make_engine, alone)
     engine = make_engine(num_kv_blocks=24, block_size=8, preemption_mode="swap", admission_policy="optimistic",
                          swap_space_gib=1e-6, min_resident_steps=1)
     assert tokens(run_all(engine, prompts, GREEDY, check=check_blocks)) == ref
-    assert engine.stats()["num_recomputes"] > 0
+    assert engine.stats().num_recomputes > 0
 
 
 @pytest.mark.parametrize("caching", [True, False])
@@ -85,10 +85,10 @@ def test_prefix_caching_does_not_change_output(make_engine, caching):
     assert first + rest == ref
     stats = engine.stats()
     if caching:
-        assert stats["prefix_cache_hits"] >= 7 * (40 // 8)
-        assert stats["prefix_cache_hit_rate"] > 0.3
+        assert stats.prefix_cache_hits >= 7 * (40 // 8)
+        assert stats.prefix_cache_hit_rate > 0.3
     else:
-        assert stats["prefix_cache_hits"] == 0
+        assert stats.prefix_cache_hits == 0
 
 
 def test_n_shares_prompt_blocks(make_engine):
@@ -98,7 +98,7 @@ def test_n_shares_prompt_blocks(make_engine):
     out = run_all(engine, [prompt], params, check=check_blocks)[0]
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 12 for c in out.outputs)
     full_blocks = (len(prompt) - 1) // 8
-    assert engine.stats()["prefix_cache_hits"] >= 2 * full_blocks
+    assert engine.stats().prefix_cache_hits >= 2 * full_blocks
     # siblings with seeds 7, 8, 9 equal the same requests run alone with those seeds
     for i, c in enumerate(out.outputs):
         alone = SamplingParams(temperature=0.9, max_tokens=12, seed=7 + i, ignore_eos=True)
@@ -159,4 +159,4 @@ def test_a_request_cannot_outgrow_the_whole_cache(make_engine):
     (out,) = run_all(engine, [list(range(10))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 64 - 10
     stats = engine.stats()
-    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_usage"] == 0.0
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_usage == 0.0

@@ -67,7 +67,7 @@ def reference(make_engine):
 
 def assert_idle(engine) -> None:
     s = engine.stats()
-    assert s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0
+    assert s.num_running == s.num_waiting == s.num_swapped == 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert engine.kv.num_free_host_blocks == engine.kv.num_host_blocks
     assert not engine.has_unfinished_requests()
@@ -89,8 +89,8 @@ def test_forward_failure_fails_only_its_step(make_engine, reference):
         else:   # not in the failed step: untouched
             assert o.error is None and o.outputs[0].token_ids == reference[i]
     s = engine.stats()
-    assert s["step_failures"] == 1 and s["consecutive_step_failures"] == 0 and not engine.dead
-    assert s["num_errors"] == 2
+    assert s.step_failures == 1 and s.consecutive_step_failures == 0 and not engine.dead
+    assert s.num_errors == 2
     assert_idle(engine)
     # the engine goes on serving, with the same answers
     again = LLM.from_engine(engine).generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -151,7 +151,7 @@ def test_swap_failure_fails_the_victims_and_the_step(make_engine, reference):
     for i, rid in enumerate(ids):
         if rid not in failed:
             assert outs[rid].outputs[0].token_ids == reference[i % len(PROMPTS)]
-    assert engine.stats()["step_failures"] == 1
+    assert engine.stats().step_failures == 1
     assert_idle(engine)
 
 
@@ -163,7 +163,7 @@ def test_repeated_failures_kill_the_engine(make_engine):
     limit = engine.config.max_consecutive_step_failures
     assert limit == 3 and engine.dead and all(outs[i].error for i in ids)
     # one request per step: 3 failed in their own steps, the 4th was failed when the engine stopped
-    assert engine.stats()["step_failures"] == limit
+    assert engine.stats().step_failures == limit
     assert "the engine stopped" in outs[ids[-1]].error
     assert "consecutive steps failed" in engine.core.dead_reason
     assert_idle(engine)

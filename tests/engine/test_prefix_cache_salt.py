@@ -13,14 +13,14 @@ PROMPT = [(7 * i + 3) % 200 + 1 for i in range(70)]   # 4 full blocks of 16 (and
 
 def run(engine, prompt: dict) -> tuple[list[int], int]:
     """Greedy tokens of one request, and the prefix-cache hits (blocks) its admission found."""
-    before = engine.stats()["prefix_cache_hits"]
+    before = engine.stats().prefix_cache_hits
     rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 tokens = list(out.outputs[0].token_ids)
-    return tokens, engine.stats()["prefix_cache_hits"] - before
+    return tokens, engine.stats().prefix_cache_hits - before
 
 
 def test_hits_only_within_a_salt(make_engine):

@@ -27,7 +27,7 @@ def test_a_replayed_engine_run_schedules_identically(make_engine, seed):
     timeline: list[float] = []
     real, trace = run_on_engine(engine, wl, seed=seed, detail=True, timeline=timeline)
     s = engine.stats()
-    assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0 and s["num_finished"] == 30
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0 and s.num_finished == 30
     vocab = engine.model_config.vocab_size
     sim, sim_trace = replay(timeline, wl, engine.config.scheduler, engine.kv.num_blocks, engine.config.block_size,
                             engine.kv.num_host_blocks, True, seed=seed,
@@ -68,7 +68,7 @@ def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
     llm = LLM(engine=make_engine(step_trace=str(path)))
     llm.generate([[1, 2, 3], list(range(40))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     trace = StepTracer.load(path)
-    assert trace.meta["source"] == "engine" and len(trace.records) == llm.stats()["steps"]
+    assert trace.meta["source"] == "engine" and len(trace.records) == llm.stats().steps
     assert sum(r.decode_tokens for r in trace.records) + sum(r.prefill_tokens for r in trace.records) == 43 + 2 * 4
     assert trace.records[-1].kv_usage == 0.0 and all(r.dt > 0 for r in trace.records)
     events = json.loads((tmp_path / "steps.chrome.json").read_text())["traceEvents"]

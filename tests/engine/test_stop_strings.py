@@ -81,7 +81,7 @@ def _run(tok, text: str, params: SamplingParams, finish_with_last: str | None = 
     """Feed text's tokens one per step through an OutputProcessor; returns (outputs, commands)."""
     op = OutputProcessor(tok)
     metrics = RequestMetrics(0.0)
-    op.add("r", None, [1], params, [("s", metrics)])
+    op.add("r", None, [1], params, ["s"], 0.0)
     ids = tok.encode(text, add_special_tokens=False)
     outs, cmds = [], []
     for k, t in enumerate(ids):

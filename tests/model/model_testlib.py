@@ -171,8 +171,7 @@ class _LogitsRecorder:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         out = self.runner.execute(plan)
-        sampled = [s.request_id for s in plan.scheduled if s.sampling is not None]
-        for rid, row in zip(sampled, self.runner.last_logits):
+        for rid, row in self.runner.last_logits.items():
             self.logits.setdefault(rid, []).append(row.clone())
         self.mixed_steps += plan.num_prefill_tokens > 0 and plan.num_decode_tokens > 0
         return out

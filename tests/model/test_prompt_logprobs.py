@@ -49,13 +49,13 @@ def test_no_prefix_cache_reads_and_preemption_keeps_one_entry_per_token(tiny_mod
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1)
     roomy = LLM(path, dtype="float32", num_kv_blocks=128, cost_model="none")
     want = roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert roomy.stats()["prefix_cache_hits"] == 0   # the shared 48 tokens were computed for each
+    assert roomy.stats().prefix_cache_hits == 0   # the shared 48 tokens were computed for each
     roomy.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert roomy.stats()["prefix_cache_hits"] > 0    # ...and published for requests that do not need them
+    assert roomy.stats().prefix_cache_hits > 0    # ...and published for requests that do not need them
     tight = LLM(path, dtype="float32", num_kv_blocks=16, block_size=8, preemption_mode="recompute",
                 admission_policy="optimistic", min_resident_steps=1, cost_model="none")
     got = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert tight.stats()["num_recomputes"] > 0
+    assert tight.stats().num_recomputes > 0
     for a, b in zip(want, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(b.prompt_logprobs) == len(b.prompt_token_ids)

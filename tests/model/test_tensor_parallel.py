@@ -79,7 +79,7 @@ def test_demo_tp2_equals_tp1_under_preemption_and_prefix_caching(mode):
                    max_num_seqs=6)
     one, s1 = run(None, 1, prompts, params, **options)
     two, s2 = run(None, 2, prompts, params, **options)
-    assert s2["num_preemptions"] > 0 and s2["prefix_cache_hits"] > 0
+    assert s2.num_preemptions > 0 and s2.prefix_cache_hits > 0
     assert_same(one, two, atol=1e-3)
 
 

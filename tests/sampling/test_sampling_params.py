@@ -1,7 +1,9 @@
 import math
+import pickle
 
 import pytest
 
+from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams, SamplingType
 
 
@@ -75,8 +77,33 @@ def test_valid_edges_accepted():
     (dict(eos_token_ids=(-3,)), "eos_token_ids"),
 ])
 def test_bad_field_names_itself(kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{field} must"):
+    with pytest.raises(ValueError, match=rf"^{field} must") as e:
         SamplingParams(**kwargs)
+    assert isinstance(e.value, InvalidRequestError) and e.value.param == field and e.value.code is None
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(stop=["x"] * 65), "stop"),
+    (dict(stop=["x" * 257]), "stop"),
+    (dict(logit_bias={1: 500.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(structured_outputs={"choice": []}), "structured_outputs"),
+    (dict(structured_outputs={"regex": "a", "json": {}}), "structured_outputs"),
+])
+def test_the_field_is_data_not_text(kwargs, field):
+    """Front ends read `param` (the server's error body), whatever the message says."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
+
+
+def test_errors_pickle_and_rename():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(max_tokens=0)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (again.param, str(again)) == ("max_tokens", str(e.value))
+    renamed = e.value.renamed("max_completion_tokens")
+    assert renamed.param == "max_completion_tokens" and str(renamed).startswith("max_completion_tokens must")
 
 
 def test_clone_is_deep():

@@ -40,12 +40,12 @@ def test_random_steps_with_faults_keep_every_block_in_one_place(seed):
     sim.run(20_000)
     sim.check_idle()
     sim.check_outputs()
-    s = sim.core.stats_dict()
+    s = sim.core.engine_stats()
     statuses = [r.status for r in sim.all.values()]
-    assert s["step_failures"] > 10 and statuses.count(RequestStatus.FINISHED_ERROR) > 10
-    assert s["num_preemptions"] > 10 and aborted > 10
+    assert s.step_failures > 10 and statuses.count(RequestStatus.FINISHED_ERROR) > 10
+    assert s.num_preemptions > 10 and aborted > 10
     if cfg.preemption_mode != "recompute":
-        assert s["num_swaps_out"] > 0
+        assert s.num_swaps_out > 0
     assert statuses.count(RequestStatus.FINISHED_STOPPED) + statuses.count(RequestStatus.FINISHED_LENGTH) > 100
     assert not sim.core.dead
 
@@ -85,7 +85,7 @@ def test_an_executor_returning_the_wrong_number_of_tokens_fails_its_step():
     sim = Sim(cfg, num_blocks=16, block_size=4)
     sim.add(make_request("a", [1, 2, 3], 4, ignore_eos=True))
     execute = sim.exe.execute
-    sim.exe.execute = lambda plan: ModelOutput(execute(plan).token_ids + [7])
+    sim.exe.execute = lambda plan: ModelOutput({**execute(plan).sampled, "ghost": 7})
     sim.step()
     assert sim.all["a"].status == RequestStatus.FINISHED_ERROR and "returned 2 tokens" in sim.all["a"].error
     sim.check_idle()

@@ -54,9 +54,9 @@ def test_a_request_past_its_deadline_fails_while_the_others_are_served():
     sim.check_outputs()                          # busy and patient got exactly their tokens
     assert sim.all["busy"].status == sim.all["patient"].status == RequestStatus.FINISHED_LENGTH
     sim.check_idle()                             # nothing leaked
-    s = sim.core.stats_dict()
-    assert s["num_queue_timeouts"] == 1 and s["num_errors"] == 1
-    assert s["kv_invariant_violations"] == 0
+    s = sim.core.engine_stats()
+    assert s.num_queue_timeouts == 1 and s.num_errors == 1
+    assert s.kv_invariant_violations == 0
 
 
 def test_the_engine_limit_applies_and_a_request_can_only_shorten_it():
@@ -82,7 +82,7 @@ def test_the_engine_limit_applies_and_a_request_can_only_shorten_it():
     assert "max_queue_time of 2 s" in asks_more.error
     sim.run(100)
     sim.check_idle()
-    assert sim.core.stats_dict()["num_queue_timeouts"] == 3
+    assert sim.core.engine_stats().num_queue_timeouts == 3
 
 
 def test_a_recompute_preempted_request_waiting_again_does_not_expire():
@@ -101,7 +101,7 @@ def test_a_recompute_preempted_request_waiting_again_does_not_expire():
     sim.time += 100.0                            # far past the deadline, but it ran before
     sim.run(500)
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
-    assert sim.core.stats_dict()["num_queue_timeouts"] == 0
+    assert sim.core.engine_stats().num_queue_timeouts == 0
     sim.check_outputs()
     sim.check_idle()
 

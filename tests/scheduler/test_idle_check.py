@@ -14,8 +14,8 @@ CFG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def counts(sim: Sim) -> tuple[int, int]:
-    s = sim.core.stats_dict()
-    return s["kv_invariant_checks"], s["kv_invariant_violations"]
+    s = sim.core.engine_stats()
+    return s.kv_invariant_checks, s.kv_invariant_violations
 
 
 def always_full(sim: Sim) -> Sim:
@@ -81,15 +81,15 @@ def test_the_block_by_block_part_keeps_to_its_share_of_the_time_and_counts_alway
     sim = Sim(CFG, num_blocks=16, block_size=4, check=False)
     sim.add(make_request("a", [1, 2, 3], 2, ignore_eos=True))
     sim.run(20)
-    assert sim.core.stats_dict()["kv_invariant_full_checks"] == 1   # the first transition always
+    assert sim.core.engine_stats().kv_invariant_full_checks == 1   # the first transition always
     sim.core._full_check_cost = 1e6                                  # as if it had taken very long
     sim.kv.pool.blocks[next(reversed(sim.kv.pool.free))].ref_count += 1
     sim.add(make_request("b", [4, 5], 2, ignore_eos=True))
     sim.run(20)
-    s = sim.core.stats_dict()
-    assert (s["kv_invariant_checks"], s["kv_invariant_full_checks"], s["kv_invariant_violations"]) == (2, 1, 0)
+    s = sim.core.engine_stats()
+    assert (s.kv_invariant_checks, s.kv_invariant_full_checks, s.kv_invariant_violations) == (2, 1, 0)
     sim.kv.pool.allocate(1)                                          # a leak the O(1) part sees
     sim.add(make_request("c", [6, 7], 2, ignore_eos=True))
     sim.run(20)
-    s = sim.core.stats_dict()
-    assert (s["kv_invariant_checks"], s["kv_invariant_full_checks"], s["kv_invariant_violations"]) == (3, 1, 1)
+    s = sim.core.engine_stats()
+    assert (s.kv_invariant_checks, s.kv_invariant_full_checks, s.kv_invariant_violations) == (3, 1, 1)

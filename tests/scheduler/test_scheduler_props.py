@@ -7,8 +7,10 @@ and checks that every position a sequence attends to holds that sequence's own t
 wrong prefix hit, a block shared while written, a bad swap mapping or a chunk that does not
 start at ``num_computed_tokens`` shows up as wrong "KV" — not only as a broken counter.
 
-The executor only sees the plan's plain data; to check the KV it reads the true token
-sequence of a request from the test's own records (its oracle), never from the plan.
+The executor only sees the plan's plain data, and keeps each request's block table and output
+count from the plans' deltas with the runner's own ``RunnerState`` (so wrong deltas show up as
+wrong KV too, and the tables are checked against the KV manager's); to check the KV it reads the
+true token sequence of a request from the test's own records (its oracle), never from the plan.
 The sampled token of a request is a pure function of (seed, output index); the EOS lands at
 a chosen output index, so each request's output is known in advance and must come out
 identical whatever the batching, chunking, preemption or prefix-cache hits were.
@@ -28,6 +30,7 @@ from hypothesis import strategies as st
 from conveyor.engine.core import EngineCore
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
+from conveyor.runner.state import RunnerState
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.admission import AdmissionPolicy
 from conveyor.scheduler.config import SchedulerConfig
@@ -91,6 +94,7 @@ class FakeExecutor:
         self.fault: Callable[[str], bool] = lambda phase: False
         self.on_call: Callable[[], None] = lambda: None
         self.during_execute: Callable[[], None] = lambda: None
+        self.state = RunnerState()   # what a runner keeps of each request, from the plans' deltas
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         self.on_call()
@@ -109,34 +113,49 @@ class FakeExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         self.on_call()
+        self.state.apply(plan)
+        self._check_state()
         bs = self.kv.block_size
         # Writes first (a real forward writes every layer's new KV before attending), then reads.
         for s in plan.scheduled:
             truth = self.oracle(s.request_id).all_token_ids
+            table = self.state.block_table(s.request_id)
             c = s.num_computed_tokens
             assert s.token_ids == truth[c:c + s.num_tokens], f"{s.request_id}: plan tokens are not its tokens"
             for pos in range(c, c + s.num_tokens):
-                b = s.block_table[pos // bs]
+                b = table[pos // bs]
                 assert self.kv.ref_count(b) == 1, f"{s.request_id} writes into shared block {b}"
                 assert not self.kv.is_cached(b), f"{s.request_id} writes into cached block {b}"
                 self.device[b][pos % bs] = truth[pos]
         self.during_execute()
         if self.fault("execute"):
             raise InjectedFault("injected forward failure")
-        tokens = []
+        tokens = {}
         for s in plan.scheduled:
             req = self.oracle(s.request_id)
+            table = self.state.block_table(s.request_id)
             for pos in range(s.num_computed_tokens + s.num_tokens):
-                got = self.device[s.block_table[pos // bs]][pos % bs]
+                got = self.device[table[pos // bs]][pos % bs]
                 assert got == req.all_token_ids[pos], \
                     f"{s.request_id}: KV at position {pos} holds {got}, expected {req.all_token_ids[pos]}"
-            if s.sampling is not None:
-                k = s.sampling.num_output_tokens
+            if s.sample:
+                row = self.state.row(s.request_id)
+                k = row.num_output_tokens
                 assert k == req.num_output_tokens
                 eos = req.out_len is not None and k == req.out_len - 1
-                tokens.append(EOS if eos else token_at(s.sampling.seed, k))
+                tokens[s.request_id] = EOS if eos else token_at(row.seed, k)
         return ModelOutput(tokens, prompt_logprobs=self._prompt_logprobs(plan) or None,
-                           pooled=self._pooled(plan) or None)
+                           embeddings=self._embeddings(plan) or None)
+
+    def _check_state(self) -> None:
+        """After a plan, the runner holds running and swapped requests only, each running one with the KV
+        manager's table."""
+        for rid, held in self.state.requests.items():
+            req = self.oracle(rid)
+            assert req.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED), \
+                f"the runner still holds {rid} ({req.status})"
+            if req.status == RequestStatus.RUNNING:   # a swapped one's table is replaced when it returns
+                assert held.block_ids == self.kv.block_table(rid), f"{rid}: the runner's table is not the KV manager's"
 
     @staticmethod
     def _prompt_logprobs(plan: SchedulerOutput) -> dict:
@@ -149,17 +168,19 @@ class FakeExecutor:
                 out[s.request_id] = [{t: -float(c + 1 + j)} for j, t in enumerate(s.prompt_targets)]
         return out
 
-    def _pooled(self, plan: SchedulerOutput) -> dict:
-        """Hidden states as a pure function of (position, token): row p is [token * (p + 1)]."""
+    def _embeddings(self, plan: SchedulerOutput) -> dict:
+        """Hidden states as a pure function of (position, token): row p is token * (p + 1). The
+        running sum is kept in the runner's state (a recompute starts it over, as the real runner);
+        the chunk that ends the prompt returns [the sum] (mean) or [the last row] (last)."""
         out = {}
         for s in plan.scheduled:
             if s.pooling is not None:
-                import torch
-
                 c = s.num_computed_tokens
                 rows = range(c, c + s.num_tokens) if s.pooling == "mean" else [c + s.num_tokens - 1]
-                out[s.request_id] = torch.tensor([float(sum(s.token_ids[p - c] * (p + 1) for p in rows))],
-                                                 dtype=torch.float64)
+                held = self.state.requests[s.request_id]
+                held.pooled = (held.pooled or 0.0) + float(sum(s.token_ids[p - c] * (p + 1) for p in rows))
+                if s.pool_end:
+                    out[s.request_id] = [held.pooled]
         return out
 
 
@@ -188,6 +209,7 @@ class Sim:
         self.core = EngineCore(self.sched, self.exe, clock=self._tick, max_consecutive_failures=max_consecutive_failures)
         self.check = check
         self.ended: set[str] = set()       # finished, aborted or failed
+        self.embeddings: dict[str, list[float]] = {}   # embedding requests' results, as the core sent them
         self.log: list[StepLog] = []
         self.time = 0.0
 
@@ -225,6 +247,9 @@ class Sim:
         for u in updates:
             if u.error is not None:
                 entry.failed.add(u.request_id)
+            if u.embedding is not None:
+                assert u.request_id not in self.embeddings, f"{u.request_id}: two embeddings"
+                self.embeddings[u.request_id] = u.embedding
         for r in self.all.values():
             if r.is_finished:
                 self.ended.add(r.request_id)
@@ -269,8 +294,9 @@ class Sim:
             assert s.num_computed_tokens == req.num_computed_tokens
             assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
             assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens and req.params.pooling is None)
-            assert s.block_table == kv.block_table(rid)
-            assert len(s.block_table) * kv.block_size >= req.num_computed_tokens + s.num_tokens
+            held = [] if s.new is not None or s.replace_table else self.exe.state.block_table(rid)   # (before)
+            assert held + s.new_block_ids == kv.block_table(rid), f"{rid}: the delta does not rebuild its table"
+            assert len(kv.block_table(rid)) * kv.block_size >= req.num_computed_tokens + s.num_tokens
             assert s.num_tokens <= cfg.prefill_chunk_cap
         assert set(out.swapped_out_ids) == entry.swapped_out
         swapped_blocks = sum(kv.num_swapped_blocks(rid) for rid in entry.swapped_out)
@@ -329,7 +355,7 @@ class Sim:
             if not self.sched.has_unfinished():
                 return n
             self.step()
-        raise AssertionError(f"not done after {max_steps} steps: {self.sched.stats_dict()}")
+        raise AssertionError(f"not done after {max_steps} steps: {self.core.engine_stats()}")
 
     def check_outputs(self) -> None:
         for rid, r in self.all.items():
@@ -422,7 +448,7 @@ def drive(cfg, num_blocks, block_size, num_host, caching, arrivals) -> Sim:
     bound = step_bound(arrivals)
     t = 0
     while pending or sim.sched.has_unfinished():
-        assert t < bound, f"livelock/starvation: not done after {bound} steps, {sim.sched.stats_dict()}"
+        assert t < bound, f"livelock/starvation: not done after {bound} steps, {sim.core.engine_stats()}"
         while pending and pending[0].step <= t:
             sim.add(pending.pop(0).req)
         mid = []
@@ -526,10 +552,10 @@ def test_idle_engine_holds_no_blocks_after_prefix_sharing_and_swaps():
         sim.add(make_request(f"r{i}", PREFIXES[0][:13], 16, ignore_eos=True, seed=i))
     sim.run(2000)
     sim.check_outputs()
-    st_ = sim.sched.stats_dict()
-    assert st_["prefix_cache_hits"] > 0
-    assert st_["num_preemptions"] > 0
-    assert st_["num_free_kv_blocks"] == st_["num_kv_blocks"]
+    st_ = sim.core.engine_stats()
+    assert st_.prefix_cache_hits > 0
+    assert st_.num_preemptions > 0
+    assert st_.num_free_kv_blocks == st_.num_kv_blocks
 
 
 def test_static_policy_runs_one_batch_at_a_time():

@@ -22,12 +22,12 @@ def test_each_step_records_swapped_and_recomputed_victims(mode, tmp_path):
     for i in range(4):
         sim.add(make_request(f"r{i}", [1 + i] * 5, 12, ignore_eos=True, seed=i))
     sim.run(500)
-    s, records = sim.core.stats_dict(), sim.core.tracer.records
-    assert s["num_preemptions"] > 0
+    s, records = sim.core.engine_stats(), sim.core.tracer.records
+    assert s.num_preemptions > 0
     assert all(r.preempted == r.swapped_out + r.recomputed for r in records)
-    assert sum(r.recomputed for r in records) == s["num_recomputes"]
-    assert sum(r.swapped_out for r in records) == s["num_swaps_out"]
-    assert (s["num_swaps_out"] if mode == "swap" else s["num_recomputes"]) == s["num_preemptions"]
+    assert sum(r.recomputed for r in records) == s.num_recomputes
+    assert sum(r.swapped_out for r in records) == s.num_swaps_out
+    assert (s.num_swaps_out if mode == "swap" else s.num_recomputes) == s.num_preemptions
     path = tmp_path / "trace.json"
     sim.core.tracer.save(path)
     assert [asdict(r) for r in StepTracer.load(path).records] == [asdict(r) for r in records]

@@ -20,6 +20,7 @@ import uvicorn
 
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.engine.stats import EngineStats
 from conveyor.model.loader import LoadedModel, load_model
 from conveyor.server.app import build_app
 
@@ -61,11 +62,11 @@ class ServerHandle:
     def metrics(self, by_replica: bool = False) -> dict[str, float]:
         return scrape_metrics(self.http, by_replica)
 
-    def wait_idle(self, timeout: float = 30.0) -> dict:
+    def wait_idle(self, timeout: float = 30.0) -> EngineStats:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = self.engine.stats()
-            if s["num_unfinished_requests"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0:
+            if s.num_unfinished_requests == 0 and s.num_running == 0 and s.num_waiting == 0:
                 return s
             time.sleep(0.05)
         raise AssertionError(f"engine not idle after {timeout}s: {self.engine.stats()}")

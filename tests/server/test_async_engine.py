@@ -10,6 +10,7 @@ import pytest
 
 from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded
 from conveyor.engine.engine import Engine, EngineConfig
+from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.config import SchedulerConfig
 
@@ -58,7 +59,7 @@ def test_abort_before_and_during_run_frees_blocks(demo_model):
         engine.abort("early")
         late = engine.add_request("Runs a bit", LONG, "late")
         first = await late.__anext__()
-        assert not first.finished and engine.stats()["kv_usage"] > 0
+        assert not first.finished and engine.stats().kv_usage > 0
         engine.abort("late")
         rest = await drain(late)
         early_outs = await drain(early)
@@ -68,11 +69,11 @@ def test_abort_before_and_during_run_frees_blocks(demo_model):
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert early_outs[-1].outputs[0].finish_reason == "abort"
     deadline = time.monotonic() + 10
-    while engine.stats()["num_running"] and time.monotonic() < deadline:
+    while engine.stats().num_running and time.monotonic() < deadline:
         time.sleep(0.01)
     stats = engine.stats()
-    assert stats["kv_usage"] == 0.0 and stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_unfinished_requests"] == 0
+    assert stats.kv_usage == 0.0 and stats.num_running == stats.num_waiting == 0
+    assert stats.num_unfinished_requests == 0
     engine.close()
 
 
@@ -115,25 +116,26 @@ def test_shutdown_lets_requests_finish_then_aborts(demo_model):
     short, long = asyncio.run(main())
     assert short[-1].outputs[0].finish_reason == "length" and len(short[-1].outputs[0].token_ids) == 6
     assert long[-1].outputs[0].finish_reason == "abort"
-    assert not engine.is_healthy and engine.stats()["num_unfinished_requests"] == 0
+    assert not engine.is_healthy and engine.stats().num_unfinished_requests == 0
 
 
 def test_invalid_request_ends_with_error(demo_model):
     engine = make(demo_model)
 
     async def main():
-        outs = await drain(engine.add_request([], GREEDY, "empty"))
+        with pytest.raises(InvalidRequestError, match="empty"):   # validated in the front end: nothing queued
+            engine.add_request([], GREEDY, "empty")
         dup = engine.add_request("x", LONG, "same")
         with pytest.raises(ValueError, match="duplicate"):   # refused at once; the first runs on
             engine.add_request("x", GREEDY, "same")
         engine.abort("same")
         first = await drain(dup)
         await engine.shutdown()
-        return outs, first
+        return first
 
-    outs, first = asyncio.run(main())
-    assert outs[-1].error and "empty" in outs[-1].error
+    first = asyncio.run(main())
     assert first[-1].outputs[0].finish_reason == "abort"
+    assert engine.stats().num_aborted == 1 and engine.stats().num_kv_blocks == engine.stats().num_free_kv_blocks
 
 
 def test_idle_loop_sleeps(demo_model):

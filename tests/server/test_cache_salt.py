@@ -72,10 +72,10 @@ def test_salt_crosses_the_process_boundary():
     params = SamplingParams(max_tokens=1, temperature=0)
 
     async def run(i: int, salt: str) -> int:
-        before = engine.stats()["prefix_cache_hits"]
+        before = engine.stats().prefix_cache_hits
         async for _ in engine.add_request({"prompt_token_ids": ids, "cache_salt": salt}, params, f"r{i}"):
             pass
-        return engine.stats()["prefix_cache_hits"] - before
+        return engine.stats().prefix_cache_hits - before
 
     async def main() -> list[int]:
         return [await run(i, s) for i, s in enumerate(["a", "b", "a"])]

@@ -15,8 +15,9 @@ import uvicorn
 
 from conveyor.config import EngineConfig
 from conveyor.engine.core import EngineDeadError
-from conveyor.engine.data_parallel import DataParallelEngine, Router, aggregate_stats
+from conveyor.engine.data_parallel import DataParallelEngine, Router
 from conveyor.engine.engine import Engine
+from conveyor.engine.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.app import build_app
 
@@ -44,13 +45,16 @@ def test_round_robin_and_least_load_skip_dead_replicas():
 
 
 def test_stats_sum_over_replicas():
-    a = dict(num_running=2, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=5, engine_dead=False,
-             last_step_time=0.1, prefix_cache_hit_rate=0.5)
-    b = dict(num_running=1, kv_usage=0.0, prefix_cache_queries=10, prefix_cache_hits=0, engine_dead=True,
-             last_step_time=0.3, prefix_cache_hit_rate=0.0)
-    s = aggregate_stats([a, b])
-    assert s == dict(num_running=3, kv_usage=0.25, prefix_cache_queries=20, prefix_cache_hits=5,
-                     engine_dead=False, last_step_time=0.3, prefix_cache_hit_rate=0.25)
+    a = EngineStats(num_running=2, kv_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=5, engine_dead=False,
+                    last_step_time=0.1, consecutive_step_failures=2, num_unfinished_requests=3)
+    b = EngineStats(num_running=1, kv_usage=0.0, prefix_cache_queries=10, prefix_cache_hits=0, engine_dead=True,
+                    last_step_time=0.3, consecutive_step_failures=1, num_unfinished_requests=1)
+    s = EngineStats.combine([a, b])
+    assert s == EngineStats(num_running=3, kv_usage=0.25, prefix_cache_queries=20, prefix_cache_hits=5,
+                            engine_dead=False, last_step_time=0.3, consecutive_step_failures=2,
+                            num_unfinished_requests=4)
+    assert s.prefix_cache_hit_rate == 0.25 and s.as_dict()["prefix_cache_hit_rate"] == 0.25
+    assert EngineStats.combine([b, b]).engine_dead
 
 
 CONFIG = EngineConfig.from_options(dtype="float32", num_kv_blocks=128, max_num_seqs=8, cost_model="none")
@@ -140,7 +144,7 @@ def test_a_killed_replica_fails_only_its_requests_and_is_reported_down(dp_server
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(run, f"Story number {i}: once upon a time") for i in range(4)]
         deadline = time.monotonic() + 30
-        while min(s["num_running"] for s in engine.replica_stats()) == 0:   # both replicas busy
+        while min(s.num_running for s in engine.replica_stats()) == 0:   # both replicas busy
             assert time.monotonic() < deadline
             time.sleep(0.05)
         victim = engine.replicas[1]

@@ -59,12 +59,12 @@ def test_embeddings_batch_with_generation(llm):
 
 def test_pooling_and_the_prefix_cache(llm):
     text = "A long shared preamble for caching purposes. " * 6
-    hits = llm.stats()["prefix_cache_hits"]
+    hits = llm.stats().prefix_cache_hits
     first = llm.embed(text, pooling="mean")[0].embedding
     again = llm.embed(text, pooling="mean")[0].embedding
-    assert max(abs(x - y) for x, y in zip(again, first)) < 1e-5 and llm.stats()["prefix_cache_hits"] == hits
+    assert max(abs(x - y) for x, y in zip(again, first)) < 1e-5 and llm.stats().prefix_cache_hits == hits
     last = llm.embed(text, pooling="last")[0].embedding
-    assert llm.stats()["prefix_cache_hits"] > hits   # the last token's state only: the prefix can come from cache
+    assert llm.stats().prefix_cache_hits > hits   # the last token's state only: the prefix can come from cache
     assert max(abs(x - y) for x, y in zip(last, first)) > 1e-3
 
 

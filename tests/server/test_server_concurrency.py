@@ -38,4 +38,4 @@ def test_concurrent_streaming_clients(server, client, model_name):
         assert reason in ("stop", "length")
         assert text == expected[PROMPTS[i % len(PROMPTS)]], f"client {i}"
     stats = server.wait_idle()
-    assert stats["kv_usage"] == 0.0
+    assert stats.kv_usage == 0.0

@@ -195,8 +195,8 @@ def test_soak(demo_model):
         m = server.metrics()
         assert m["conveyor:num_requests_running"] == m["conveyor:num_requests_waiting"] == 0
         assert m["conveyor:num_requests_swapped"] == 0 and m["conveyor:kv_cache_usage_perc"] == 0.0
-        assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_aborted"] > 0
-        assert s["num_preemptions"] > 0 and s["step_failures"] == 0
+        assert s.num_free_kv_blocks == s.num_kv_blocks and s.num_aborted > 0
+        assert s.num_preemptions > 0 and s.step_failures == 0
         engine.kv.check_invariants(set())
         assert engine.kv.num_free_host_blocks == engine.kv.num_host_blocks
         after = server.http.post("/v1/completions", json=PROBE).json()["choices"][0]["text"]

@@ -26,16 +26,16 @@ def test_simulation_completes_with_exact_token_counts(policy):
                    num_blocks=48, block_size=16)
     assert res.output_tokens == sum(r.output_len for r in wl)
     assert len(res.e2e) == len(res.ttft) == len(wl)
-    assert res.stats["kv_usage"] == 0.0 and res.stats["num_finished"] == len(wl)
+    assert res.stats.kv_usage == 0.0 and res.stats.num_finished == len(wl)
     if policy == "conservative":
-        assert res.stats["num_preemptions"] == 0
+        assert res.stats.num_preemptions == 0
 
 
 def test_optimistic_preempts_more_than_predictive():
     wl = workload(200, seed=1)
     runs = {p: simulate(wl, SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256, admission_policy=p),
                         num_blocks=48) for p in ("optimistic", "predictive", "conservative")}
-    pre = {p: r.stats["num_preemptions"] for p, r in runs.items()}
+    pre = {p: r.stats.num_preemptions for p, r in runs.items()}
     assert pre["optimistic"] > pre["predictive"] >= pre["conservative"] == 0
 
 
@@ -47,12 +47,12 @@ def test_the_simulator_is_deterministic_for_a_seed():
 
     def run():
         res = simulate(spec.generate(), cfg, num_blocks=40, num_host_blocks=16, prefix_caching=True, trace=True)
-        stats = {k: v for k, v in res.stats.items() if k != "last_step_time"}   # wall time of the last step
+        stats = res.stats.replace(last_step_time=0.0)   # wall time of the last step
         return [(r.first_token, r.finish, r.num_output_tokens, r.num_preemptions) for r in res.records], stats
 
     a, b = run(), run()
     assert a == b
-    assert a[1]["num_preemptions"] > 0 and a[1]["prefix_cache_hits"] > 0
+    assert a[1].num_preemptions > 0 and a[1].prefix_cache_hits > 0
 
 
 def test_replicas_share_the_load_and_answer_every_request_once():
@@ -75,8 +75,8 @@ def test_swaps_cost_modelled_time():
                           preemption_mode="swap", min_resident_steps=1, victim_policy="latest")
     fast = simulate(wl, cfg, num_blocks=48, num_host_blocks=200, cost=StepCostModel(swap_block=0.0))
     slow = simulate(wl, cfg, num_blocks=48, num_host_blocks=200, cost=StepCostModel(swap_block=0.01))
-    assert fast.stats["num_swaps_out"] > 0 and fast.stats["num_swaps_out"] == slow.stats["num_swaps_out"]
-    assert slow.sim_time > fast.sim_time + 0.01 * fast.stats["num_swaps_out"]
+    assert fast.stats.num_swaps_out > 0 and fast.stats.num_swaps_out == slow.stats.num_swaps_out
+    assert slow.sim_time > fast.sim_time + 0.01 * fast.stats.num_swaps_out
 
 
 def test_slo_metrics_and_goodput():

@@ -1,0 +1,110 @@
+"""The front end of one engine: requests in (validated once), core deltas out as RequestOutputs.
+
+It lives in the caller's process -- the server's for ``conveyor serve`` (the engine core runs in
+a child process), the caller's for ``LLM`` -- and owns what a caller sees: input processing
+(inputs.py), the ``n`` sibling sequences of a request, their seeds, detokenization, stop strings
+and the response shapes (output_processor.py). The core receives an ``EngineRequest`` (plain,
+validated data) and sends back per-sequence deltas (``SeqUpdate``: the new token ids, their
+logprobs, a finish); nothing already sent crosses again. A stop string found here ends the
+sequence in the core through the abort path (``Finish`` with the stop string as reason).
+No torch here.
+"""
+
+from __future__ import annotations
+
+import numbers
+import random
+from dataclasses import dataclass
+
+from conveyor.engine.core import SeqUpdate
+from conveyor.engine.inputs import InputProcessor, InvalidRequestError, ProcessedInput
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.request import RequestStatus
+from conveyor.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A validated request as the engine core receives it: one sequence per (id, seed)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_ids: list[str]
+    seeds: list[int]
+    priority: int
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class Finish:
+    """End these sequences in the core: a stop string (reason) was found, or a sibling failed (None)."""
+
+    seq_ids: list[str]
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    reason: int | str | None = None
+    report: bool = False   # a caller's abort: the core answers with an "abort" delta per live sequence
+
+
+class FrontEnd:
+    """Input processing and output processing of one engine core; see the module docstring."""
+
+    def __init__(self, inputs: InputProcessor, seed: int | None = None):
+        self.inputs = inputs
+        self.tokenizer = inputs.tokenizer
+        self.outputs = OutputProcessor(inputs.tokenizer)
+        self._rng = random.Random(seed)
+        self._next_id = 0
+        self._next_seq = 0
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                       validated: bool = False) -> ProcessedInput:
+        return self.inputs.process(prompt, params, validated)
+
+    def register(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None,
+                 request_id: str | None, priority: int, arrival_time: float) -> EngineRequest:
+        """Validate (unless already processed) and register a request; raises InvalidRequestError."""
+        inp = prompt if isinstance(prompt, ProcessedInput) else self.process_inputs(prompt, params)
+        if not (isinstance(priority, numbers.Integral) and not isinstance(priority, bool)):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        request_id = request_id if request_id is not None else self.new_request_id()
+        if request_id in self.outputs:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        p = inp.params
+        seeds = [p.seed + i if p.seed is not None else self._rng.getrandbits(63) for i in range(p.num_seqs)]
+        seq_ids = []
+        for _ in seeds:
+            self._next_seq += 1
+            seq_ids.append(f"seq-{self._next_seq}")
+        self.outputs.add(request_id, inp.prompt, inp.prompt_token_ids, p, seq_ids, arrival_time)
+        return EngineRequest(request_id, inp.prompt_token_ids, p, seq_ids, seeds, int(priority), arrival_time,
+                             inp.cache_salt)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a registered request that never reached the core (its add failed)."""
+        self.outputs.abort(request_id, report=False)
+
+    def live_seq_ids(self, request_id: str) -> list[str]:
+        """The sequences of a request that have not finished here (what an abort must end in the core)."""
+        return self.outputs.live_seq_ids(request_id)
+
+    def abort(self, request_id: str, report: bool = True) -> list[str]:
+        """Mark a request aborted; returns the ids of its live sequences, which the core must abort."""
+        return self.outputs.abort(request_id, report)
+
+    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[Finish]]:
+        """The outputs of the requests that changed, and the sequences the core must end."""
+        outputs, finishes = self.outputs.process(updates)
+        return outputs, [Finish([c.seq_id], c.status, c.reason) for c in finishes]
+
+    def has_unfinished(self) -> bool:
+        return self.outputs.has_unfinished()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.outputs

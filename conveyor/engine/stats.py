@@ -1,0 +1,125 @@
+"""Typed engine statistics: one frozen snapshot of the scheduler's, KV cache's and core's counters.
+
+Decisions (the async loop's stall check and back-pressure, data-parallel routing, idle checks in
+tests) read its fields; ``as_dict()`` exists only for output (Prometheus, JSON, benchmark files),
+so a renamed counter breaks at the reader, not silently in a string key. It crosses the
+process-engine pipe, so it pickles. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conveyor.scheduler.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class CoreStats:
+    """The core's own counters (mutable; EngineStats copies them)."""
+
+    step_failures: int = 0             # steps whose executor raised
+    consecutive_step_failures: int = 0
+    last_step_time: float = 0.0        # seconds in the latest step()
+    kv_invariant_checks: int = 0       # KV cache checks on the transition to idle
+    kv_invariant_full_checks: int = 0  # of which block by block (see EngineCore.idle_check_share)
+    kv_invariant_violations: int = 0   # of which found the cache not whole (a leak or a corrupt block)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """The engine's state and cumulative counters as of one moment (end of a step, usually)."""
+
+    # ---- the scheduler (scheduler.SchedulerStats, queue lengths live) ----
+    steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    step_prefill_tokens: int = 0          # of the latest step
+    step_decode_tokens: int = 0           # of the latest step
+    prompt_tokens_total: int = 0          # prefill tokens computed (recomputation included)
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_recomputes: int = 0
+    num_priority_preemptions: int = 0
+    blocks_swapped_out: int = 0
+    tokens_recomputed: int = 0
+    preemption_cost: float = 0.0
+    num_swaps_dropped: int = 0
+    residency_overrides: int = 0
+    admission_deferrals: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_errors: int = 0
+    num_queue_timeouts: int = 0
+    # ---- the KV cache ----
+    kv_usage: float = 0.0                 # fraction of device blocks in use
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    prefix_cache_queries: int = 0         # prompt blocks looked up
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_mismatches: int = 0
+    # ---- the core ----
+    step_failures: int = 0
+    consecutive_step_failures: int = 0
+    last_step_time: float = 0.0           # seconds of the latest step (Engine: output processing included)
+    engine_dead: bool = False
+    kv_invariant_checks: int = 0
+    kv_invariant_full_checks: int = 0
+    kv_invariant_violations: int = 0
+    # ---- set above the core ----
+    step_time_total: float = 0.0          # seconds inside Engine.step(), all steps (the async loop's)
+    num_unfinished_requests: int = 0      # requests a client holds streams for (the client's)
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, core: CoreStats, dead: bool) -> EngineStats:
+        """A snapshot of a scheduler (its counters, queues and KV cache) and a core's counters."""
+        s, kv = scheduler.stats, scheduler.kv
+        pool = kv.prefix_cache_stats
+        counters: dict[str, Any] = {f.name: getattr(s, f.name) for f in fields(s)}
+        counters.update({f.name: getattr(core, f.name) for f in fields(core)})
+        counters.update(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                        num_swapped=len(scheduler.swapped))
+        return cls(**counters, kv_usage=kv.usage, num_kv_blocks=kv.num_blocks,
+                   num_free_kv_blocks=kv.num_free_blocks, prefix_cache_queries=pool.prefix_queries,
+                   prefix_cache_hits=pool.prefix_hits, prefix_cache_evictions=pool.evictions,
+                   prefix_cache_mismatches=pool.mismatches, engine_dead=dead)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the latest step computed (0: it did nothing)."""
+        return self.step_prefill_tokens + self.step_decode_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def replace(self, **changes: Any) -> EngineStats:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """For output only (metrics, JSON, benchmark files): every field, plus the hit rate."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        return d
+
+    @classmethod
+    def combine(cls, parts: Sequence[EngineStats]) -> EngineStats:
+        """Several engines (data-parallel or simulated replicas) as one: counters summed, KV usage
+        averaged, the latest step time and failure streak the worst, dead only if all are."""
+        if not parts:
+            return cls()
+        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls) if f.name not in _NOT_SUMMED}
+        return cls(**summed, kv_usage=sum(p.kv_usage for p in parts) / len(parts),
+                   last_step_time=max(p.last_step_time for p in parts),
+                   consecutive_step_failures=max(p.consecutive_step_failures for p in parts),
+                   engine_dead=all(p.engine_dead for p in parts))
+
+
+_NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead"})

@@ -1,0 +1,165 @@
+"""Cost models: how long a step's plan takes. No torch here.
+
+Below both of their users: the engine fills the scheduler's preemption costs from a profiled
+``StepCostModel`` (``preemption_costs``), and the simulator's executor advances its clock by one
+(sim/simulator.py). ``conveyor.sim.cost`` re-exports these names.
+
+A cost model has ``step_time(plan)`` (seconds for the forward pass, sampling and the engine's
+own work of one step) and ``swap_time(num_blocks)`` (one direction). Two kinds:
+
+- ``StepCostModel``: the step's token count through a measured piecewise-linear curve, plus
+  fitted costs per KV token the decodes read, per query-key pair of prefill chunks, per sampled
+  sequence and per sequence. ``conveyor profile`` fits it to the real engine on this machine
+  (conveyor/profile.py).
+- ``RooflineCostModel`` (sim/roofline.py): a named GPU's published peak FLOP/s and bandwidth
+  applied to the model's shapes — a model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Protocol
+
+from conveyor.scheduler.config import SchedulerConfig
+from conveyor.scheduler.output import SchedulerOutput
+from conveyor.scheduler.preemption import PreemptionCosts
+
+
+class CostModel(Protocol):
+    def step_time(self, plan: SchedulerOutput) -> float: ...
+
+    def swap_time(self, num_blocks: int) -> float: ...
+
+    def recompute_time_per_token(self, context: int = 256) -> float: ...
+
+
+def with_preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> SchedulerConfig:
+    """The scheduler's knobs with the auto preemption mode's costs that the user left unset
+    (None) taken from a cost model; a cost the user set wins over the model."""
+    if cost is None:
+        return config
+    return replace(config, swap_cost_per_block=_first(config.swap_cost_per_block, lambda: cost.swap_time(1)),
+                   recompute_cost_per_token=_first(config.recompute_cost_per_token,
+                                                   cost.recompute_time_per_token))
+
+
+def preemption_costs(config: SchedulerConfig, cost: CostModel | None) -> PreemptionCosts:
+    """What the scheduler's per-victim choice uses: the user's constants, else the cost model's
+    swap time per block and its step-cost curve for recomputing n tokens (attention included,
+    so a long recomputation costs more per token than a short one)."""
+    filled = with_preemption_costs(config, cost)
+    costs = PreemptionCosts.of(filled)
+    if cost is not None and config.recompute_cost_per_token is None:
+        costs.recompute_time = lambda n: n * cost.recompute_time_per_token(n)
+    return costs
+
+
+def _first(value: float | None, fallback) -> float:
+    return value if value is not None else fallback()
+
+
+@dataclass(slots=True)
+class StepShape:
+    """The features of a plan that its cost depends on."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    decode_context: int = 0        # tokens of KV the decodes attend to (their contexts, the new token included)
+    prefill_attention: float = 0   # query-key pairs of the prefill chunks: sum of n * (cached + (n + 1) / 2)
+    num_seqs: int = 0
+    num_sampled: int = 0           # sequences whose logits are computed and sampled
+    prefill_context: int = 0       # cached tokens the prefill chunks attend to (not a linear feature)
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> StepShape:
+        s = cls(num_seqs=len(plan.scheduled))
+        for seq in plan.scheduled:
+            n, c = seq.num_tokens, seq.num_computed_tokens
+            if n == 1 and c > 0:     # the runner's own test for a decode
+                s.decode_tokens += 1
+                s.decode_context += c + 1
+            else:
+                s.prefill_tokens += n
+                s.prefill_context += c
+                s.prefill_attention += n * (c + (n + 1) / 2)
+            s.num_sampled += seq.sample
+        return s
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Seconds per step = M(tokens) + decode_context * (KV tokens the decodes read)
+    + prefill_attention * (query-key pairs of the prefill chunks) + sampled * (sampled sequences)
+    + seq * (sequences).
+
+    M, the cost of a step's matmuls (and everything else fixed or per token), is piecewise
+    linear through measured token counts (``knots``, ``knot_costs``): on a CPU the cost per token
+    is far from constant (matrix-vector products at 1-2 tokens, small-M GEMMs after), and a
+    straight line misses by 30%. Beyond the last knot it extends the last segment. The defaults
+    roughly fit SmolLM2-135M fp32 on 2 CPU cores; `conveyor profile` measures this machine's.
+    """
+
+    knots: list[int] = field(default_factory=lambda: [1, 2, 4, 16, 64, 256, 1024])
+    knot_costs: list[float] = field(default_factory=lambda: [0.023, 0.024, 0.040, 0.045, 0.090, 0.20, 0.80])
+    decode_context: float = 3.5e-6
+    prefill_attention: float = 3.0e-7
+    sampled: float = 5.0e-4
+    seq: float = 2.0e-5
+    swap_block: float = 2.0e-4       # seconds to copy one KV block one way
+    kv_bytes_per_token: int = 0      # of the profiled model and dtype (0: unknown); sizes a KV cache in GiB
+    meta: dict = field(default_factory=dict)   # where the numbers come from: machine, model, fit quality
+
+    def __post_init__(self) -> None:
+        if len(self.knots) != len(self.knot_costs) or not self.knots or sorted(set(self.knots)) != list(self.knots):
+            raise ValueError("knots must be increasing token counts, one cost each")
+
+    def token_cost(self, tokens: int) -> float:
+        return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
+
+    def step_time(self, plan: SchedulerOutput) -> float:
+        return self.shape_time(StepShape.of(plan))
+
+    def shape_time(self, s: StepShape) -> float:
+        return (self.token_cost(s.tokens) + self.decode_context * s.decode_context
+                + self.prefill_attention * s.prefill_attention + self.sampled * s.num_sampled + self.seq * s.num_seqs)
+
+    def swap_time(self, num_blocks: int) -> float:
+        return num_blocks * self.swap_block
+
+    def recompute_time_per_token(self, context: int = 256) -> float:
+        """A preempted request's tokens computed again as one prefill chunk (about `context` long)."""
+        s = StepShape(prefill_tokens=context, prefill_attention=context * (context + 1) / 2, num_seqs=1)
+        return (self.shape_time(s) - self.token_cost(1)) / context
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"kind": "step", **asdict(self)}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        d = json.loads(Path(path).read_text())
+        if d.pop("kind", None) != "step":
+            raise ValueError(f"{path} is not a step cost model (the output of `conveyor profile`)")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def hat_weights(knots: list[int], x: float) -> list[float]:
+    """Weights of each knot's value in the piecewise-linear interpolation at x (extrapolating
+    past the ends along the first / last segment)."""
+    w = [0.0] * len(knots)
+    if len(knots) == 1:
+        w[0] = 1.0
+        return w
+    i = max(0, min(bisect.bisect_right(knots, x) - 1, len(knots) - 2))
+    lo, hi = knots[i], knots[i + 1]
+    f = (x - lo) / (hi - lo)
+    w[i], w[i + 1] = 1.0 - f, f
+    return w

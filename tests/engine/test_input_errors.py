@@ -1,0 +1,39 @@
+"""Input validation names the parameter at fault as data (``param``, ``code``), not only in its message."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.engine.inputs import cache_salt, token_id_list, validate_request
+from conveyor.errors import InvalidRequestError
+from conveyor.sampling.params import SamplingParams
+
+VOCAB, CONTEXT = 100, 16
+
+
+@pytest.mark.parametrize("ids, params, param, code", [
+    ([], SamplingParams(), "prompt", None),
+    ([5, 100], SamplingParams(), "prompt", None),
+    ([1] * CONTEXT, SamplingParams(), "prompt", "context_length_exceeded"),
+    ([1], SamplingParams(logit_bias={100: 1.0}), "logit_bias", None),
+    ([1], SamplingParams(allowed_token_ids=[3, 1000]), "allowed_token_ids", None),
+])
+def test_validate_request_names_the_parameter(ids, params, param, code):
+    with pytest.raises(InvalidRequestError) as e:
+        validate_request(ids, params, VOCAB, CONTEXT)
+    assert (e.value.param, e.value.code) == (param, code)
+
+
+@pytest.mark.parametrize("ids", [3, [1, 2.0], [True], "12"])
+def test_token_ids_are_the_prompt(ids):
+    with pytest.raises(InvalidRequestError) as e:
+        token_id_list(ids)
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("salt", ["", 5])
+def test_cache_salt(salt):
+    with pytest.raises(ValueError) as e:   # still a ValueError for callers that catch those
+        cache_salt({"prompt": "x", "cache_salt": salt})
+    assert e.value.param == "cache_salt"
+    assert cache_salt({"prompt": "x"}) is None and cache_salt({"prompt": "x", "cache_salt": "a"}) == "a"
