@@ -199,18 +199,12 @@ class EngineLoop:
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
                     rejected += [SeqUpdate(sid, None, None, "error", None, str(e), None) for sid in c.request.seq_ids]
             elif isinstance(c, Finish):
-                if c.report:
-                    live = self.engine.core.scheduler.requests
-                    rejected += [SeqUpdate(sid, None, None, "abort", None, None, None) for sid in c.seq_ids
-                                 if sid in live]
-                self.engine.stop(c)
+                rejected += self.engine.stop(c)
         return added, rejected
 
     def _abort_all(self) -> list[SeqUpdate]:
         """Shutdown: abort every live sequence; their deltas say so."""
-        live = list(self.engine.core.scheduler.requests)
-        self.engine.stop(Finish(live))
-        return [SeqUpdate(sid, None, None, "abort", None, None, None) for sid in live]
+        return self.engine.stop(Finish(list(self.engine.core.scheduler.requests), report=True))
 
     def _step(self, added: int, extra: list[SeqUpdate]) -> bool:
         """One engine step; hands over its deltas (after `extra`) and the stats. Returns True if it stalled."""
@@ -274,7 +268,7 @@ class StreamingClient:
             req = self.frontend.register(prompt, None, request_id, priority, time.monotonic())
             s.pending_seqs += len(req.seq_ids)
             s.streams[request_id] = stream
-        self._post(Add(req))
+            self._post(Add(req))   # under the lock: an abort or a Stop from another thread comes after it
         return stream
 
     def abort(self, request_id: str) -> None:

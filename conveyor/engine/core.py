@@ -19,6 +19,7 @@ whether a request finishes is decided in scheduler/stopping.py. No torch here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -67,12 +68,18 @@ class SeqUpdate:
     prompt_logprobs: list | None = None   # with the first token: the prompt's logprobs (first entry None)
     embedding: list[float] | None = None  # an embedding request's result (it finishes with it)
     error_code: str | None = None         # with error: what kind ("queue_timeout"; None: the step failed)
+    token_time: float | None = None       # with token_id: when it was sampled (the core's clock)
+
+
+def metrics_snapshot(r: Request) -> RequestMetrics:
+    """A copy of a request's metrics: the front end keeps its own (it may be in this process)."""
+    return dataclasses.replace(r.metrics, inter_token_latencies=list(r.metrics.inter_token_latencies))
 
 
 def _metrics_delta(r: Request) -> RequestMetrics | None:
     """A sequence's metrics go out with its first token and with its finish: in between they would
-    resend a growing list of inter-token latencies every step."""
-    return r.metrics if r.num_output_tokens == 1 or r.is_finished else None
+    resend a growing list of inter-token latencies every step (each delta carries its token's time)."""
+    return metrics_snapshot(r) if r.num_output_tokens == 1 or r.is_finished else None
 
 
 class EngineCore:
@@ -107,14 +114,18 @@ class EngineCore:
         self._busy = True
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
-                       reason: int | str | None = None) -> None:
+                       reason: int | str | None = None) -> list[Request]:
         """End live requests from outside the step: the caller aborted them, or the front end found a
-        stop string in their text (status FINISHED_STOPPED, reason: the string). Unknown ids are ignored."""
+        stop string in their text (status FINISHED_STOPPED, reason: the string). Unknown ids are
+        ignored; returns the requests it ended."""
+        ended = []
         for rid in request_ids:
             request = self.scheduler.requests.get(rid)
             if request is not None:
                 self.scheduler.finish_request(request, status, reason)
+                ended.append(request)
         self._check_if_idle()
+        return ended
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -148,7 +159,8 @@ class EngineCore:
             expired = self.scheduler.expire_queued(self.clock())
         except Exception as e:   # noqa: BLE001 - the scheduler's state can no longer be trusted
             return self._die("the scheduler failed", e)
-        timeouts = [SeqUpdate(r.request_id, None, None, "error", None, r.error, r.metrics, error_code=QUEUE_TIMEOUT)
+        timeouts = [SeqUpdate(r.request_id, None, None, "error", None, r.error, metrics_snapshot(r),
+                              error_code=QUEUE_TIMEOUT)
                     for r in expired]
         return timeouts + self._schedule_and_run()
 
@@ -199,11 +211,12 @@ class EngineCore:
     def _updates(model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:
         logprobs = model_out.logprobs or {}
         return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id), r.finish_reason,
-                          r.stop_reason, None, _metrics_delta(r), first_prompt_logprobs(r)) for r in touched]
+                          r.stop_reason, None, _metrics_delta(r), first_prompt_logprobs(r),
+                          token_time=r.metrics.last_token_time) for r in touched]
 
     def _embedded(self, embeddings: dict[str, Request]) -> list[SeqUpdate]:
         """The embedding requests this step finished, each with its vector."""
-        return [SeqUpdate(rid, None, None, r.finish_reason, None, None, r.metrics, embedding=vector)
+        return [SeqUpdate(rid, None, None, r.finish_reason, None, None, metrics_snapshot(r), embedding=vector)
                 for rid, (r, vector) in embeddings.items() if r.is_finished]
 
     def _step_failed(self, what: str, error: Exception, request_ids: list[str]) -> list[SeqUpdate]:
@@ -220,7 +233,8 @@ class EngineCore:
 
     def _fail(self, request_ids: list[str], message: str) -> list[SeqUpdate]:
         failed = self.scheduler.fail_requests(request_ids, message)
-        return [SeqUpdate(r.request_id, None, None, "error", None, message, r.metrics) for r in failed]
+        return [SeqUpdate(r.request_id, None, None, "error", None, message, metrics_snapshot(r))
+                for r in failed]
 
     def _die(self, what: str, error: Exception | None) -> list[SeqUpdate]:
         """Mark the core dead and fail every live request."""

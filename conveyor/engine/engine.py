@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate
+from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate, metrics_snapshot
 from conveyor.engine.frontend import EngineRequest, FrontEnd, Finish
 from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedInput,  # noqa: F401 - re-exported
                                     grammar_backend)
@@ -161,9 +161,13 @@ class EngineBackend:
             self.core.abort_requests(added)
             raise
 
-    def stop(self, command: Finish) -> None:
-        """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted."""
-        self.core.abort_requests(command.seq_ids, command.status, command.reason)
+    def stop(self, command: Finish) -> list[SeqUpdate]:
+        """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted;
+        for a caller's abort (``report``), the deltas that say so, with the final metrics."""
+        ended = self.core.abort_requests(command.seq_ids, command.status, command.reason)
+        if not command.report:
+            return []
+        return [SeqUpdate(r.request_id, None, None, r.finish_reason, None, None, metrics_snapshot(r)) for r in ended]
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

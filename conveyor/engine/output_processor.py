@@ -10,6 +10,7 @@ as a finish command that the engine hands to the core (the scheduler's ``finish_
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -47,14 +48,32 @@ class _Seq:
     stop_reason: int | str | None = None
     sent_text: int = 0
     sent_tokens: int = 0
+    cum_logprob: float = 0.0       # the sum of the sampled tokens' logprobs (params.needs_logprobs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def cumulative_logprob(self) -> float:
-        """The sum of the sampled tokens' logprobs (params.needs_logprobs)."""
-        return sum(e.get(t, 0.0) for e, t in zip(self.logprobs, self.token_ids) if e)
+        return self.cum_logprob
+
+    def add_token(self, u: SeqUpdate, entry: dict | None) -> None:
+        """A new token, its logprobs entry (None: not asked), its time (this sequence's own metrics)."""
+        self.token_ids.append(u.token_id)
+        if entry is not None:
+            self.logprobs.append(entry)
+            self.cum_logprob += entry.get(u.token_id, 0.0)
+        m = self.metrics
+        if u.metrics is None and u.token_time is not None:   # metrics come whole with the first token only
+            if m.last_token_time is not None:
+                m.inter_token_latencies.append(u.token_time - m.last_token_time)
+            m.last_token_time = u.token_time
+
+    def end(self, reason: str, stop_reason: int | str | None, now: float | None) -> None:
+        """Finished here (a stop string, an abort, a failure) or by the core (with its metrics)."""
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.metrics.finished_time is None and now is not None:
+            self.metrics.finished_time = now
 
     def visible_len(self) -> int:
         """Text that can be shown now: all once finished, else without a tail that may become a stop string."""
@@ -118,7 +137,7 @@ class OutputProcessor:
         live = [s.seq_id for s in group.seqs if not s.finished]
         for s in group.seqs:
             if not s.finished:
-                s.finish_reason = "abort"
+                s.end("abort", None, time.monotonic())
         if report:
             self._to_report[request_id] = group
         else:
@@ -149,7 +168,7 @@ class OutputProcessor:
         return outputs, commands
 
     def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
-        if u.metrics is not None:   # sent with the first token and the finish
+        if u.metrics is not None:   # sent with the first token and the finish (a copy: ours to update)
             seq.metrics = u.metrics
         if u.prompt_logprobs is not None and group.prompt_logprobs is None:
             group.prompt_logprobs = [logprob_objects(e, self._token_text) for e in u.prompt_logprobs]
@@ -162,9 +181,10 @@ class OutputProcessor:
             return
         new = ""
         if u.token_id is not None:
-            seq.token_ids.append(u.token_id)
-            if group.params.needs_logprobs:
-                seq.logprobs.append(logprob_objects(u.logprobs, self._token_text))
+            entry = logprob_objects(u.logprobs, self._token_text) if group.params.needs_logprobs else None
+            seq.add_token(u, entry)
+            if group.params.needs_logprobs and entry is None:
+                seq.logprobs.append(None)
             new = seq.detok.add([u.token_id]) if group.params.detokenize else ""
         if u.finish_reason is not None:
             new += seq.detok.flush()
@@ -178,11 +198,11 @@ class OutputProcessor:
             if u.finish_reason is None:
                 commands.append(FinishCommand(seq.seq_id, RequestStatus.FINISHED_STOPPED, stop))
             # finished by eos/length with the same token: the stop string wins
-            seq.finish_reason, seq.stop_reason = "stop", stop
+            seq.end("stop", stop, u.token_time)
             return
         seq.text += new
         if u.finish_reason is not None:
-            seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+            seq.end(u.finish_reason, u.stop_reason, time.monotonic())
 
     def _fail(self, group: _Group, message: str, commands: list[FinishCommand], code: str | None = None) -> None:
         """The whole request fails with `message`; its live siblings are aborted."""
@@ -191,7 +211,7 @@ class OutputProcessor:
         for s in group.seqs:
             if not s.finished:
                 commands.append(FinishCommand(s.seq_id, RequestStatus.FINISHED_ABORTED))
-                s.finish_reason = "error"
+                s.end("error", None, time.monotonic())
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -209,18 +229,25 @@ class OutputProcessor:
         p = group.params
         if p.num_seqs > p.n and group.finished:   # best_of: the n with the highest cumulative logprob
             seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob())[:p.n]
+        # A running request's output shares the growing lists (O(new tokens) per step, not O(length));
+        # the finished one gets its own copies.
+        snapshot = list if group.finished else _shared
         for index, s in enumerate(seqs):
             shown = s.visible_len()
             lps = cumulative = None   # best_of without logprobs: computed only to rank the samples
             if p.logprobs is not None:
-                lps, cumulative = list(s.logprobs), s.cumulative_logprob()
+                lps, cumulative = snapshot(s.logprobs), s.cumulative_logprob()
             completions.append(CompletionOutput(
-                index if p.num_seqs > p.n else s.index, s.text[:shown], list(s.token_ids), lps, s.finish_reason,
+                index if p.num_seqs > p.n else s.index, s.text[:shown], snapshot(s.token_ids), lps, s.finish_reason,
                 s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:], cumulative))
             s.sent_text, s.sent_tokens = shown, len(s.token_ids)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
                              [s.metrics for s in group.seqs], prompt_logprobs=group.prompt_logprobs,
                              embedding=group.embedding)
+
+
+def _shared(items: list) -> list:
+    return items
 
 
 def logprob_objects(entry: LogprobEntry | None, text_of) -> dict[int, Logprob] | None:

@@ -27,6 +27,10 @@ class Logprob(float):
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sequence's output. While it runs, ``token_ids`` and ``logprobs`` are the sequence's own
+    growing lists (streams read the deltas; copy them to keep a snapshot); the finished output has
+    its own copies."""
+
     index: int
     text: str
     token_ids: list[int]

@@ -156,7 +156,13 @@ class ProcessEngine(StreamingClient):
                                              f"(exit code {self._proc.exitcode})"))
                 return
             if msg[0] == "out":
-                self.deliver(msg[1], msg[2], msg[3])
+                try:
+                    self.deliver(msg[1], msg[2], msg[3])
+                except BaseException as e:   # noqa: BLE001 - a front-end bug must end the streams, not hang them
+                    logger.exception("processing the engine's outputs failed")
+                    self.failed(e)
+                    self._post(Stop(time.monotonic()))
+                    return
             elif msg[0] == "failed":
                 self.failed(EngineDeadError(msg[1]) if msg[2] else RuntimeError(msg[1]))
             elif msg[0] == "closed":

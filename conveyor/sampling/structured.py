@@ -180,8 +180,8 @@ class GrammarBackend:
         then stops it: scheduler/stopping.py)."""
         for rid, token in sampled.items():
             request = requests.get(rid)
-            if request is None or request.grammar is None:
-                continue
+            if request is None or request.grammar is None or token in request.params.eos_token_ids:
+                continue   # an end token ends the request itself (a grammar may refuse it: no warning)
             if not request.grammar.consume_token(token):
                 logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", rid, token,
                                request.grammar.get_error())

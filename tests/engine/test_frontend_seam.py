@@ -78,12 +78,17 @@ def test_a_stop_string_found_in_the_front_end_stops_the_core_sequence(make_engin
     finished = engine.scheduler.stats.num_finished
     engine.add_request([9, 10, 11], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
     final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            final = out if out.finished else final
+    while engine.has_unfinished_requests():   # the deltas cross a pickle, as between two processes
+        outputs, finishes = engine.frontend.process(pickle.loads(pickle.dumps(engine.run_step())))
+        for command in finishes:
+            engine.stop(command)
+        final = next((o for o in outputs if o.finished), final)
     c = final.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop and text.startswith(c.text) and stop not in c.text
     assert len(c.token_ids) < 40
+    m = final.metrics[0]   # ended by the front end: its own metrics, complete (not the first token's)
+    assert m.finished_time is not None and m.finished_time >= m.last_token_time
+    assert len(m.inter_token_latencies) == len(c.token_ids) - 1
     # the core ended it as a stop (counted, observed by admission), not as an abort; nothing leaks
     assert engine.scheduler.stats.num_finished == finished + 1 and engine.scheduler.stats.num_aborted == 0
     assert not engine.scheduler.requests and not idle_violations(engine.scheduler)
