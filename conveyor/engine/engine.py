@@ -203,7 +203,6 @@ class Engine(EngineBackend):
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         super().__init__(config, loaded)
         self.frontend = FrontEnd(self.input_processor(), self.config.seed)
-        self.output_processor = self.frontend.outputs
 
     def new_request_id(self) -> str:
         return self.frontend.new_request_id()
