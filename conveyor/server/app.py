@@ -30,10 +30,11 @@ MAX_BODY_BYTES = 4 << 20
 def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
               shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes",
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """An app serving `client`; on lifespan shutdown it shuts the engine down too."""
     names = list(served_model_names or [client.model_name])
-    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser)
+    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser,
+                        reasoning_parser)
     client.add_finished_listener(state.metrics.observe_finished)
 
     @contextlib.asynccontextmanager

@@ -20,13 +20,24 @@ from conveyor.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComple
 from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
                                      Job, finish_reason, merged, sse, sse_error, submit)
 from conveyor.server.state import ServerState
-from conveyor.server.tools import ToolPlan, parse_tool_calls, plan_tools
+from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,
+                                     parse_output)
+from conveyor.server.tools import ToolPlan, plan_tools
 
 
 @dataclass(slots=True)
 class _Job(Job):
+    tools: ToolPlan | None = None
+    reasoning_parser: str | None = None
+    prompt_text: str | None = None     # the rendered prompt (whether it opened a <think> block)
+
     def chunk(self, choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice]))
+
+    @property
+    def parses(self) -> bool:
+        """Whether outputs are read for reasoning or tool calls (else the text is the content)."""
+        return self.tools is not None or self.reasoning_parser is not None
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -38,12 +49,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                    req.chat_template_kwargs)
     tools = tools if tools is not None and tools.active else None
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    prompt_text = prompt.text
     params = fit_to_context(state.client, prompt, params, "messages", max_param)
-    job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
+    job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs, tools,
+               state.reasoning_parser, prompt_text)
     streams = submit(state.client, job.id, [prompt], [params], req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EngineStreamingResponse(_stream(state, job, streams, usage, tools), state.client, streams)
+        return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)
 
     async def collect() -> RequestOutput:
         try:
@@ -58,7 +71,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     final = await cancel_on_disconnect(raw, collect())
     choices = []
     for c in final.outputs:
-        message, reason = _message(c, tools)
+        message, reason = _message(c, job)
         choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(state, job, c, 0),
                                   finish_reason=reason))
     body = ChatCompletionResponse(id=job.id, created=job.created, model=model, choices=choices,
@@ -66,15 +79,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     return JSONResponse(body.model_dump())
 
 
-def _message(c: CompletionOutput, tools: ToolPlan | None) -> tuple[ChatResponseMessage, str | None]:
-    """The choice's message (tool calls parsed out when tools are in play) and finish reason."""
+def _message(c: CompletionOutput, job: _Job) -> tuple[ChatResponseMessage, str | None]:
+    """The choice's message (reasoning and tool calls read out of the text) and finish reason."""
     reason = finish_reason(c.finish_reason)
-    if tools is None:
+    if not job.parses:
         return ChatResponseMessage(content=c.text), reason
-    content, calls = parse_tool_calls(c.text, tools.parser)
-    if not calls:
-        return ChatResponseMessage(content=c.text), reason
-    return ChatResponseMessage(content=content, tool_calls=calls), "tool_calls" if reason == "stop" else reason
+    out = parse_output(c.text, job.tools, job.reasoning_parser, job.prompt_text)
+    message = ChatResponseMessage(content=out.content, tool_calls=out.tool_calls or None, reasoning=out.reasoning,
+                                  reasoning_content=out.reasoning)
+    return message, _call_reason(reason, bool(out.tool_calls))
+
+
+def _call_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs(state: ServerState, job: _Job, c: CompletionOutput, start: int) -> ChatChoiceLogprobs | None:
@@ -84,10 +101,11 @@ def _logprobs(state: ServerState, job: _Job, c: CompletionOutput, start: int) ->
                                                     job.num_logprobs))
 
 
-async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool,
-                  tools: ToolPlan | None = None) -> AsyncIterator[str]:
+async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
     done: set[int] = set()
     final: RequestOutput | None = None
+    readers = {i: OutputStream(job.tools, job.reasoning_parser, job.prompt_text) for i in range(job.n)} \
+        if job.parses else {}
     try:
         for i in range(job.n):
             yield job.chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
@@ -98,7 +116,7 @@ async def _stream(state: ServerState, job: _Job, streams: list, include_usage: b
                     continue
                 if c.finished:
                     done.add(c.index)
-                for choice in (_tool_deltas(state, job, c, tools) if tools is not None else _text_delta(state, job, c)):
+                for choice in _choice_deltas(state, job, c, readers.get(c.index)):
                     yield job.chunk(choice)
             if out.finished:
                 final = out
@@ -112,28 +130,49 @@ async def _stream(state: ServerState, job: _Job, streams: list, include_usage: b
     yield DONE
 
 
-def _text_delta(state: ServerState, job: _Job, c: CompletionOutput) -> list[ChatStreamChoice]:
-    if not (c.delta_text or c.finished or (job.num_logprobs is not None and c.delta_token_ids)):
+def _choice_deltas(state: ServerState, job: _Job, c: CompletionOutput,
+                   reader: OutputStream | None) -> list[ChatStreamChoice]:
+    """This output's new text as chunks: reasoning, content and tool-call deltas as they come (a
+    call's id and name once the name is complete, then its arguments as generated); the finish
+    reason on the last; the new tokens' logprobs on the first."""
+    if reader is None:
+        deltas = [DeltaMessage(content=c.delta_text)] if c.delta_text else []
+    else:
+        deltas = _deltas(reader.feed(c.delta_text, c.finished))
+    if not deltas and not c.finished and not (job.num_logprobs is not None and c.delta_token_ids):
         return []
+    if not deltas:
+        deltas = [DeltaMessage() if c.finished else DeltaMessage(content="")]
     start = len(c.token_ids) - len(c.delta_token_ids)
-    delta = DeltaMessage(content=c.delta_text) if c.delta_text or not c.finished else DeltaMessage()
-    return [ChatStreamChoice(index=c.index, delta=delta, logprobs=_logprobs(state, job, c, start),
-                             finish_reason=finish_reason(c.finish_reason))]
+    out = [ChatStreamChoice(index=c.index, delta=d) for d in deltas]
+    out[0].logprobs = _logprobs(state, job, c, start)
+    if c.finished:
+        out[-1].finish_reason = _call_reason(finish_reason(c.finish_reason), bool(reader and reader.calls))
+    return out
 
 
-def _tool_deltas(state: ServerState, job: _Job, c: CompletionOutput, tools: ToolPlan) -> list[ChatStreamChoice]:
-    """With tools in play a choice is sent when it ends (calls are parsed from the whole output):
-    its content, then one delta per tool call, then the finish."""
-    if not c.finished:
-        return []
-    message, reason = _message(c, tools)
-    logprobs, out = _logprobs(state, job, c, 0), []
-    if message.content:
-        out.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=message.content), logprobs=logprobs))
-        logprobs = None
-    for k, call in enumerate(message.tool_calls or []):
-        out.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(tool_calls=[{"index": k, **call}]),
-                                    logprobs=logprobs))
-        logprobs = None
-    out.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason))
+def _deltas(events: list) -> list[DeltaMessage]:
+    """Events as chunk deltas, consecutive pieces of the same kind merged into one."""
+    out: list[DeltaMessage] = []
+    last: object = None
+    for e in events:
+        if isinstance(e, ReasoningDelta):
+            if isinstance(last, ReasoningDelta):
+                out[-1].reasoning += e.text
+                out[-1].reasoning_content += e.text
+            else:
+                out.append(DeltaMessage(reasoning=e.text, reasoning_content=e.text))
+        elif isinstance(e, ContentDelta):
+            if isinstance(last, ContentDelta):
+                out[-1].content += e.text
+            else:
+                out.append(DeltaMessage(content=e.text))
+        elif isinstance(e, ToolCallStart):
+            out.append(DeltaMessage(tool_calls=[{"index": e.index, "id": e.id, "type": "function",
+                                                 "function": {"name": e.name, "arguments": ""}}]))
+        elif isinstance(last, ToolArgsDelta) and last.index == e.index:
+            out[-1].tool_calls[0]["function"]["arguments"] += e.text
+        else:
+            out.append(DeltaMessage(tool_calls=[{"index": e.index, "function": {"arguments": e.text}}]))
+        last = e
     return out

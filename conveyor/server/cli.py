@@ -50,6 +50,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "json"),
                    help="how tool calls are read from the output: hermes (<tool_call>{...}</tool_call> blocks) or "
                         "json (the whole output is a call object or a list of them)")
+    s.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
+                   help="split <think>...</think> reasoning out of the answer (chat: message.reasoning_content; "
+                        "Responses: a reasoning item); default: the whole output is content")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes, each with its own KV cache and a share of the cores) behind "
                         "this one server")
@@ -120,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, log_interval=args.log_interval,
                     shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + _BACKSTOP_S)

@@ -201,6 +201,18 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # --reasoning-parser: the <think> text, under vLLM's current name and its older one (SGLang,
+    # DeepSeek's API); both absent when the server has no reasoning parser.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_reasoning(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("reasoning") is None:
+            d.pop("reasoning", None)
+            d.pop("reasoning_content", None)
+        return d
 
 
 class ChatChoice(BaseModel):
@@ -223,6 +235,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")

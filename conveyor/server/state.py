@@ -16,6 +16,7 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None   # --reasoning-parser (conveyor/server/reasoning.py), None: off
     texts: TokenTexts = field(init=False)
 
     def __post_init__(self) -> None:

@@ -9,7 +9,9 @@
 - ``tool_choice``: ``none`` (tools not shown, nothing parsed), ``auto`` (shown; calls parsed out
   of free text), ``required`` and a named function: the output is constrained with a grammar
   (structured outputs) to one or more well-formed calls of the allowed functions whose
-  ``arguments`` match their JSON schema — so it works even on a 135M model.
+  ``arguments`` match their JSON schema — so it works even on a 135M model. The schema is read
+  strictly: an object that lists its ``properties`` gets no other keys unless it says
+  ``additionalProperties`` (see `strict_objects`).
 - Parsers (``--tool-call-parser``): ``hermes`` (``<tool_call>`` blocks; text outside them is the
   message content) and ``json`` (the whole output is one call object or a list of them).
 """
@@ -92,7 +94,8 @@ def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None, paralle
 
 def call_grammar(functions: list[dict], many: bool, parser: str) -> str:
     """A Lark grammar (llguidance dialect, with inline %json schemas) for calls of these functions."""
-    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                      "arguments": strict_objects(f["parameters"])},
                       "required": ["name", "arguments"], "additionalProperties": False} for f in functions],
            "x-guidance": JSON_STYLE}
     if parser == "json":
@@ -100,6 +103,31 @@ def call_grammar(functions: list[dict], many: bool, parser: str) -> str:
         return "start: %json " + json.dumps(body)
     call = 'call: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json ' + json.dumps(one)
     return ('start: call ("\\n" call)*\n' if many else "start: call\n") + call
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples", "required")
+
+
+def strict_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` on every object schema that lists its
+    ``properties`` and says nothing about other keys: a tool's arguments hold only the keys its
+    schema declares (JSON Schema would allow any others, and small models then invent keys).
+    An object schema without ``properties`` (a free-form dict) and an explicit
+    ``additionalProperties`` are left as they are."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):   # name -> schema maps: the names are not keywords
+            out[k] = {name: strict_objects(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _VALUES else strict_objects(v)
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def render_messages(messages: list[dict[str, Any]], template: str, plan: ToolPlan | None) -> tuple[list[dict], Any]:
