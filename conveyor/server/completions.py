@@ -14,8 +14,8 @@ from conveyor.server.errors import APIError
 from conveyor.server.inputs import (completion_prompts, completion_sampling, fit_to_context, off_loop_if_big,
                                    text_chars)
 from conveyor.server.logprobs import completion_logprobs
-from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                      UsageInfo)
+from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
+                                      CompletionResponse, UsageInfo)
 from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
                                      collect_finals, Job, finish_reason, merged, sse, sse_error, submit)
 from conveyor.server.state import ServerState
@@ -30,7 +30,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     streams = submit(state.client, job.id, prompts, per_prompt, req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)
+        return EngineStreamingResponse(_stream(state, job, streams, usage, req.echo, req.max_tokens == 0),
+                                       state.client, streams)
 
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     if req.max_tokens == 0:   # scoring only: the one token generated to run the prompt is not shown
@@ -45,10 +46,7 @@ def _response(state: ServerState, job: Job, finals: list[RequestOutput], echo: b
               prompt_logprobs: int | None = None) -> CompletionResponse:
     choices = []
     for i, out in enumerate(finals):
-        prompt_text = ""
-        if echo:
-            prompt_text = out.prompt if out.prompt is not None else state.client.tokenizer.decode(
-                out.prompt_token_ids, skip_special_tokens=False)
+        prompt_text = _prompt_text(state, out) if echo else ""
         for c in out.outputs:
             lp = None
             if job.num_logprobs is not None:
@@ -57,11 +55,7 @@ def _response(state: ServerState, job: Job, finals: list[RequestOutput], echo: b
                     lp, offset = completion_logprobs(state.texts, out.prompt_token_ids, out.prompt_logprobs or [],
                                                      job.num_logprobs)
                 more, _ = completion_logprobs(state.texts, c.token_ids, c.logprobs or [], job.num_logprobs, offset)
-                if lp is None:
-                    lp = more
-                else:
-                    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                        getattr(lp, name).extend(getattr(more, name))
+                lp = more if lp is None else _joined(lp, more)
             choices.append(CompletionChoice(
                 index=i * job.n + c.index, text=prompt_text + c.text, logprobs=lp,
                 finish_reason=finish_reason(c.finish_reason),
@@ -89,7 +83,10 @@ def usage_of(finals: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _stream(state: ServerState, job: Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(state: ServerState, job: Job, streams: list, include_usage: bool, echo: bool = False,
+                  score_only: bool = False) -> AsyncIterator[str]:
+    """Chunks as tokens come; with echo, each choice's first chunk starts with its prompt (and the
+    prompt's logprobs); scoring only (echo, max_tokens 0): the prompt alone, then the finish."""
     offsets: dict[int, int] = {}
     done: set[int] = set()
     finals: list[RequestOutput] = []
@@ -98,17 +95,29 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
             check_output(out)
             for c in out.outputs:
                 index = i * job.n + c.index
-                if index in done or not (c.delta_text or c.finished
+                first = echo and index not in offsets
+                if score_only:
+                    if not c.finished:
+                        continue
+                    c.delta_text, c.delta_token_ids = "", []
+                if index in done or not (first or c.delta_text or c.finished
                                          or (job.num_logprobs is not None and c.delta_token_ids)):
                     continue
                 if c.finished:
                     done.add(index)
-                lp = None
+                text, lp = c.delta_text, None
+                if first:
+                    text = _prompt_text(state, out) + text
+                    offsets[index] = 0
+                    if job.num_logprobs is not None:
+                        lp, offsets[index] = completion_logprobs(state.texts, out.prompt_token_ids,
+                                                                 out.prompt_logprobs or [], job.num_logprobs)
                 if job.num_logprobs is not None:
                     start = len(c.token_ids) - len(c.delta_token_ids)
-                    lp, offsets[index] = completion_logprobs(state.texts, c.delta_token_ids, c.logprobs[start:],
-                                                             job.num_logprobs, offsets.get(index, 0))
-                choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lp,
+                    more, offsets[index] = completion_logprobs(state.texts, c.delta_token_ids, c.logprobs[start:],
+                                                               job.num_logprobs, offsets.get(index, 0))
+                    lp = more if lp is None else _joined(lp, more)
+                choice = CompletionChoice(index=index, text=text, logprobs=lp,
                                           finish_reason=finish_reason(c.finish_reason))
                 yield sse(CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[choice]))
             if out.finished:
@@ -121,3 +130,14 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
     finally:
         abort(state.client, streams)
     yield DONE
+
+
+def _prompt_text(state: ServerState, out: RequestOutput) -> str:
+    return out.prompt if out.prompt is not None else state.client.tokenizer.decode(out.prompt_token_ids,
+                                                                                  skip_special_tokens=False)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(a, name).extend(getattr(b, name))
+    return a

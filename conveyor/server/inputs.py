@@ -229,8 +229,6 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
     check_common(req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.echo and req.stream:
-        raise bad_request("echo is not supported with stream", "echo")
     max_tokens = req.max_tokens
     if max_tokens == 0:
         if not req.echo:

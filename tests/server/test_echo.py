@@ -4,6 +4,7 @@ engine's prompt_logprobs; vLLM's prompt_logprobs field; the invalid combinations
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,10 +66,36 @@ def test_vllm_prompt_logprobs_field(server, model_name, offline):
 
 @pytest.mark.parametrize("body,param", [
     ({"max_tokens": 0}, "max_tokens"),
-    ({"echo": True, "stream": True}, "echo"),
     ({"prompt_logprobs": 99}, "prompt_logprobs"),
 ])
 def test_invalid_echo_combinations(server, model_name, body, param):
     r = server.http.post("/v1/completions", json={"model": model_name, "prompt": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("max_tokens", [0, 6])
+def test_echo_streams_the_prompt_first(server, model_name, max_tokens):
+    """Streamed echo: each choice's first chunk starts with its prompt (and the prompt's logprobs);
+    the chunks add up to the non-streamed answer, for two prompts at once and for scoring only."""
+    body = {"model": model_name, "prompt": ["The capital of France is", "One, two,"], "max_tokens": max_tokens,
+            "echo": True, "logprobs": 1, "temperature": 0}
+    whole = server.http.post("/v1/completions", json=body).json()["choices"]
+    text: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    lps: dict[int, list] = {}
+    with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                if c["index"] not in text:
+                    assert c["text"].startswith(body["prompt"][c["index"]])   # the prompt comes first
+                text[c["index"]] = text.get(c["index"], "") + c["text"]
+                tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+                lps.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
+    for c in whole:
+        assert text[c["index"]] == c["text"]
+        assert tokens[c["index"]] == c["logprobs"]["tokens"]
+        assert lps[c["index"]][0] is None and lps[c["index"]] == pytest.approx(c["logprobs"]["token_logprobs"])
