@@ -30,8 +30,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     streams = submit(state.client, job.id, prompts, per_prompt, req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EngineStreamingResponse(_stream(state, job, streams, usage, req.echo, req.max_tokens == 0),
-                                       state.client, streams)
+        return EngineStreamingResponse(_stream(state, job, streams, usage, req.echo, req.max_tokens == 0,
+                                               req.prompt_logprobs), state.client, streams)
 
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     if req.max_tokens == 0:   # scoring only: the one token generated to run the prompt is not shown
@@ -84,10 +84,12 @@ def usage_of(finals: list[RequestOutput]) -> UsageInfo:
 
 
 async def _stream(state: ServerState, job: Job, streams: list, include_usage: bool, echo: bool = False,
-                  score_only: bool = False) -> AsyncIterator[str]:
+                  score_only: bool = False, prompt_logprobs: int | None = None) -> AsyncIterator[str]:
     """Chunks as tokens come; with echo, each choice's first chunk starts with its prompt (and the
-    prompt's logprobs); scoring only (echo, max_tokens 0): the prompt alone, then the finish."""
+    prompt's logprobs); scoring only (echo, max_tokens 0): the prompt alone, then the finish;
+    vLLM's prompt_logprobs ride on each choice's first chunk."""
     offsets: dict[int, int] = {}
+    started: set[int] = set()
     done: set[int] = set()
     finals: list[RequestOutput] = []
     try:
@@ -95,18 +97,19 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
             check_output(out)
             for c in out.outputs:
                 index = i * job.n + c.index
-                first = echo and index not in offsets
+                first = index not in started
                 if score_only:
                     if not c.finished:
                         continue
                     c.delta_text, c.delta_token_ids = "", []
-                if index in done or not (first or c.delta_text or c.finished
+                if index in done or not ((first and (echo or prompt_logprobs is not None)) or c.delta_text or c.finished
                                          or (job.num_logprobs is not None and c.delta_token_ids)):
                     continue
                 if c.finished:
                     done.add(index)
+                started.add(index)
                 text, lp = c.delta_text, None
-                if first:
+                if first and echo:
                     text = _prompt_text(state, out) + text
                     offsets[index] = 0
                     if job.num_logprobs is not None:
@@ -119,6 +122,8 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
                     lp = more if lp is None else _joined(lp, more)
                 choice = CompletionChoice(index=index, text=text, logprobs=lp,
                                           finish_reason=finish_reason(c.finish_reason))
+                if first and prompt_logprobs is not None:
+                    choice.prompt_logprobs = vllm_prompt_logprobs(out, prompt_logprobs)
                 yield sse(CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[choice]))
             if out.finished:
                 finals.append(out)

@@ -11,7 +11,7 @@ from conveyor.engine.async_engine import EngineClient
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import KINDS as STRUCTURED_KINDS, StructuredOutputsParams
 from conveyor.server.errors import APIError, bad_request, invalid_request
-from conveyor.server.tools import ToolPlan, render_messages
+from conveyor.server.tools import ToolPlan, render_messages, strict_objects
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 MAX_N = 16
@@ -196,8 +196,11 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
     fmt = req.response_format
     if fmt is not None:
         spec = fmt.get("json_schema")
-        constraint = format_constraint(fmt.get("type", "text"), spec.get("schema") if isinstance(spec, dict) else None,
-                                       "response_format", "json_schema.schema", "response_format")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict) and spec.get("strict") is True:   # OpenAI's strict mode: no unlisted keys
+            schema = strict_objects(schema)
+        constraint = format_constraint(fmt.get("type", "text"), schema, "response_format", "json_schema.schema",
+                                       "response_format")
         if constraint is not None:
             found.append(("response_format", constraint))
     if req.structured_outputs is not None:

@@ -60,6 +60,12 @@ def test_vllm_prompt_logprobs_field(server, model_name, offline):
     tid = str(offline.prompt_token_ids[1])
     assert math.isclose(plp[1][tid]["logprob"], offline.prompt_logprobs[1][int(tid)], abs_tol=1e-5)
     assert all(sum(1 for v in e.values() if v["rank"] is not None) == 2 for e in plp[1:])
+    streamed = [json.loads(line[6:]) for line in server.http.post(
+        "/v1/completions", json={"model": model_name, "prompt": TEXT, "max_tokens": 3, "prompt_logprobs": 2,
+                                 "temperature": 0, "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    assert streamed[0]["choices"][0]["prompt_logprobs"] == plp            # on the first chunk only
+    assert all("prompt_logprobs" not in c["choices"][0] for c in streamed[1:])
     plain = server.http.post("/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 1}).json()
     assert "prompt_logprobs" not in plain["choices"][0]
 

@@ -216,3 +216,26 @@ def test_no_reasoning_parser_leaves_the_text_alone(client, model_name):
                                                    "structured_outputs": THINK_THEN_ANSWER})
     msg = r.choices[0].message.model_dump()
     assert "</think>" in msg["content"] and "reasoning_content" not in msg
+
+
+def test_response_format_strict_true_reads_the_schema_strictly():
+    from conveyor.server.inputs import structured_outputs
+    from conveyor.server.protocol import ChatCompletionRequest
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for strict, closed in ((True, True), (False, False), (None, False)):
+        spec = {"name": "w", "schema": schema, **({} if strict is None else {"strict": strict})}
+        req = ChatCompletionRequest(messages=ASK, response_format={"type": "json_schema", "json_schema": spec})
+        assert (structured_outputs(req).json.get("additionalProperties") is False) == closed
+    assert "additionalProperties" not in schema
+
+
+@pytest.mark.slow
+def test_strict_response_format_output_has_only_listed_keys(client, model_name):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=model_name, messages=ASK, temperature=1.0, seed=seed, max_tokens=60,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}})
+        if r.choices[0].finish_reason == "stop":
+            assert set(json.loads(r.choices[0].message.content)) == {"city"}
