@@ -36,6 +36,8 @@ class RequestMetrics:
     finished_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    preemption_times: list[float] = field(default_factory=list)   # when each preemption happened (same clock)
+    num_cached_tokens: int = 0   # prompt tokens read from the prefix cache when it was first admitted
 
     @property
     def queue_time(self) -> float | None:

@@ -73,7 +73,9 @@ class SeqUpdate:
 
 def metrics_snapshot(r: Request) -> RequestMetrics:
     """A copy of a request's metrics: the front end keeps its own (it may be in this process)."""
-    return dataclasses.replace(r.metrics, inter_token_latencies=list(r.metrics.inter_token_latencies))
+    m = r.metrics
+    return dataclasses.replace(m, inter_token_latencies=list(m.inter_token_latencies),
+                               preemption_times=list(m.preemption_times))
 
 
 def _metrics_delta(r: Request) -> RequestMetrics | None:

@@ -243,7 +243,8 @@ class OutputProcessor:
             s.sent_text, s.sent_tokens = shown, len(s.token_ids)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
                              [s.metrics for s in group.seqs], prompt_logprobs=group.prompt_logprobs,
-                             embedding=group.embedding)
+                             embedding=group.embedding,
+                             num_cached_tokens=max(s.metrics.num_cached_tokens for s in group.seqs))
 
 
 def _shared(items: list) -> list:

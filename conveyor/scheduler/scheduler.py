@@ -265,6 +265,8 @@ class Scheduler:
             self.stats.num_swaps_in += 1
         else:
             req.num_computed_tokens = len(cached) * self.kv.block_size
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_tokens = req.num_computed_tokens
             self.kv.record_prefix_lookup(req, len(cached))
         n = self._first_chunk(req, budget)
         ok = self.kv.allocate(req, n, cached)
@@ -432,6 +434,7 @@ class Scheduler:
             self.stats.num_recomputes += 1
         self.waiting.push(victim)   # same (priority, arrival_seq): it keeps its place in the queue
         victim.metrics.num_preemptions += 1
+        victim.metrics.preemption_times.append(self.clock())
         victim.preempted_step = self.step
         self.stats.num_preemptions += 1
         self.stats.preemption_cost += choice.cost

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import EngineClient
 from conveyor.engine.stats import EngineStats
+from conveyor.server import observe
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.embeddings import create_embedding
@@ -30,8 +32,11 @@ MAX_BODY_BYTES = 4 << 20
 def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
               shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes",
-              allowed_origins: list[str] | None = None, reasoning_parser: str | None = None) -> FastAPI:
-    """An app serving `client`; on lifespan shutdown it shuts the engine down too."""
+              allowed_origins: list[str] | None = None, reasoning_parser: str | None = None,
+              log_requests: bool = False, log_request_text: bool = False, tracer_provider: Any = None) -> FastAPI:
+    """An app serving `client`; on lifespan shutdown it shuts the engine down too. `log_requests`: one
+    JSON line per API request on the `conveyor.requests` logger (`log_request_text`: with the prompt and
+    output); `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request."""
     names = list(served_model_names or [client.model_name])
     state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser,
                         reasoning_parser)
@@ -54,6 +59,8 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(InternalErrorMiddleware)
+    if log_requests or tracer_provider is not None:
+        observe.install(app, client, names[0], log_requests, log_request_text, tracer_provider)
     if allowed_origins:   # browsers' preflight OPTIONS answered before the API key check (added last = runs first)
         from fastapi.middleware.cors import CORSMiddleware
 

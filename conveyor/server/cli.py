@@ -37,6 +37,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log one line per HTTP request")
+    s.add_argument("--log-requests", action="store_true",
+                   help="log one JSON line per API request on the 'conveyor.requests' logger: id, endpoint, token "
+                        "counts, finish reasons, status, queue time, TTFT, e2e, preemptions (no prompt or output text)")
+    s.add_argument("--log-request-text", action="store_true",
+                   help="with --log-requests: include the prompt and the output text in each line")
+    s.add_argument("--request-log-file", default=None, metavar="PATH",
+                   help="write the request log's JSON lines to PATH instead of stderr (implies --log-requests)")
+    s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per request over OTLP/HTTP to URL (e.g. "
+                        "http://localhost:4318/v1/traces); needs the 'otel' extra")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level of the server and engine")
     s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -75,6 +85,24 @@ def read_chat_template(spec: str) -> str:
     return spec
 
 
+def _observability(args: argparse.Namespace):
+    """Set up the request log's destination; the TracerProvider for --otlp-traces-endpoint (or None)."""
+    from conveyor.server import observe
+
+    if args.request_log_file:
+        observe.log_to_file(args.request_log_file)
+    elif args.log_requests:
+        observe.logger.setLevel(logging.INFO)   # shown even under --log-level warning
+    if not args.otlp_traces_endpoint:
+        return None
+    from conveyor.server.tracing import make_tracer_provider
+
+    try:
+        return make_tracer_provider(args.otlp_traces_endpoint)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from e
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -99,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracer_provider = _observability(args)
     config = config_from_args(args, model=args.model)
     from conveyor.parallel.tp import launched_by_torchrun, run_worker_from_env
 
@@ -123,7 +152,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     max_body_bytes=args.max_body_bytes, log_interval=args.log_interval,
                     shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser)
+                    allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
+                    log_requests=args.log_requests or args.request_log_file is not None,
+                    log_request_text=args.log_request_text, tracer_provider=tracer_provider)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + _BACKSTOP_S)
@@ -137,4 +168,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     asyncio.run(server.serve())
     engine.close()   # no-op if the lifespan already shut it down
+    if tracer_provider is not None:
+        tracer_provider.shutdown()   # exports the spans still batched
     return 0 if server.started else 1

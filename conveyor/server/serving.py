@@ -18,6 +18,7 @@ from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overload
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
+from conveyor.server import observe
 from conveyor.server.errors import APIError
 from conveyor.server.inputs import Prompt
 
@@ -54,6 +55,7 @@ def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: li
     except EngineDeadError as e:
         abort(client, streams)
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+    observe.submitted(base_id, streams, params, priority)   # request log / tracing (a no-op when off)
     return streams
 
 
