@@ -10,6 +10,7 @@ from pathlib import Path
 from conveyor.bench.serve import add_parser as add_serve_bench_parser
 from conveyor.config import add_engine_args, config_from_args
 from conveyor.plot import add_parser as add_plot_parser
+from conveyor.server.batch import add_run_batch_parser
 from conveyor.server.cli import add_serve_parser
 from conveyor.sim.cli import add_parser as add_simulate_parser
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    add_run_batch_parser(sub)
     add_profile_parser(sub)
     add_simulate_parser(sub)
     add_plot_parser(sub)

@@ -13,16 +13,18 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.async_engine import EngineClient
 from conveyor.engine.stats import EngineStats
 from conveyor.server import observe
+from conveyor.server.anthropic import register_anthropic_routes
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
 from conveyor.server.embeddings import create_embedding
-from conveyor.server.responses import create_response
+from conveyor.server.responses import MAX_STORED_BYTES, MAX_STORED_RESPONSES, ResponseStore, register_responses
+from conveyor.server.scoring import register_scoring_routes
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, ResponsesRequest, TokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                       TokenizeResponse)
 from conveyor.server.state import ServerState
 
@@ -33,10 +35,13 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
               max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
               shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes",
               allowed_origins: list[str] | None = None, reasoning_parser: str | None = None,
-              log_requests: bool = False, log_request_text: bool = False, tracer_provider: Any = None) -> FastAPI:
+              log_requests: bool = False, log_request_text: bool = False, tracer_provider: Any = None,
+              responses_max_stored: int = MAX_STORED_RESPONSES,
+              responses_max_stored_bytes: int = MAX_STORED_BYTES) -> FastAPI:
     """An app serving `client`; on lifespan shutdown it shuts the engine down too. `log_requests`: one
     JSON line per API request on the `conveyor.requests` logger (`log_request_text`: with the prompt and
-    output); `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request."""
+    output); `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request;
+    `responses_max_stored` / `_bytes`: the bounds of the stored Responses' LRU (response_store.py)."""
     names = list(served_model_names or [client.model_name])
     state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser,
                         reasoning_parser)
@@ -74,13 +79,15 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, raw: Request) -> Response:
-        return await create_response(state, body, raw)
+    register_responses(app, state, ResponseStore(responses_max_stored, responses_max_stored_bytes))
+
+    register_anthropic_routes(app, state)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await create_embedding(state, body, raw)
+
+    register_scoring_routes(app, state)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -63,6 +63,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--reasoning-parser", default=None, choices=("qwen3", "deepseek_r1"),
                    help="split <think>...</think> reasoning out of the answer (chat: message.reasoning_content; "
                         "Responses: a reasoning item); default: the whole output is content")
+    s.add_argument("--responses-max-stored", type=int, default=1024,
+                   help="/v1/responses: stored responses kept (for previous_response_id, GET, background); the "
+                        "least recently used is evicted beyond this")
+    s.add_argument("--responses-max-stored-bytes", type=int, default=64 << 20,
+                   help="/v1/responses: the stored responses' total size bound (bytes of their JSON)")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes, each with its own KV cache and a share of the cores) behind "
                         "this one server")
@@ -154,7 +159,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                     allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
                     log_requests=args.log_requests or args.request_log_file is not None,
-                    log_request_text=args.log_request_text, tracer_provider=tracer_provider)
+                    log_request_text=args.log_request_text, tracer_provider=tracer_provider,
+                    responses_max_stored=args.responses_max_stored,
+                    responses_max_stored_bytes=args.responses_max_stored_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log,
                             timeout_graceful_shutdown=math.ceil(args.shutdown_timeout) + _BACKSTOP_S)

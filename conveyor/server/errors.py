@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,6 +45,28 @@ class _ErrorResponse(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+ErrorFormatter = Callable[[APIError], dict[str, Any]]
+
+
+def format_errors_under(app: FastAPI, prefix: str, formatter: ErrorFormatter) -> None:
+    """Errors answered for paths under `prefix` get `formatter`'s body (another API's error shape,
+    e.g. Anthropic's under /v1/messages): every error the app answers, from the handlers, the
+    middleware (API key, body size) and the last-resort 500, goes through `error_response`."""
+    if not hasattr(app.state, "error_formatters"):
+        app.state.error_formatters = {}
+    app.state.error_formatters[prefix.rstrip("/")] = formatter
+
+
+def error_response(scope: Scope, err: APIError) -> JSONResponse:
+    """`err` as the response for this request: its path's API shape (format_errors_under), else OpenAI's."""
+    path = scope.get("path", "")
+    formatters = getattr(getattr(scope.get("app"), "state", None), "error_formatters", None) or {}
+    for prefix, formatter in formatters.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return _ErrorResponse(formatter(err), status_code=err.status, headers=err.headers)
+    return err.response()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -93,18 +115,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.scope, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return bad_request(message, param).response()
+        return error_response(request.scope, bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+        return error_response(request.scope, APIError(exc.status_code, str(exc.detail), code=code,
+                                                      headers=exc.headers))
 
 
 class InternalErrorMiddleware:
@@ -134,4 +157,4 @@ class InternalErrorMiddleware:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 err = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
-                await err.response()(scope, receive, send)
+                await error_response(scope, err)(scope, receive, send)

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.server.errors import APIError
+from conveyor.server.errors import APIError, error_response
 
 
 class BodyLimitMiddleware:
@@ -54,23 +54,27 @@ class BodyLimitMiddleware:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         err = APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
                        code="request_too_large")
-        await err.response()(scope, receive, send)
+        await error_response(scope, err)(scope, receive, send)
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>`; paths in `open_paths` stay open."""
+    """401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (what Anthropic's
+    clients send); paths in `open_paths` stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str] = ("/health", "/metrics")):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
+        self.expected = b"Bearer " + self.key
         self.open_paths = set(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if not secrets.compare_digest(given, self.expected):
-            err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            return await err.response()(scope, receive, send)
+        headers = dict(scope["headers"])
+        bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
+        x_key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        if not (bearer_ok or x_key_ok):
+            err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await error_response(scope, err)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -106,7 +106,7 @@ class EmbeddingRequest(_Body):
 
 
 class ResponsesRequest(_Body):
-    """The minimal Responses API (conveyor/server/responses.py)."""
+    """POST /v1/responses (conveyor/server/responses.py)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -116,11 +116,27 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None   # include_obfuscation: no padding is sent either way
     text: dict[str, Any] | None = None       # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    cache_salt: str | None = Field(default=None, min_length=1)   # vLLM, as on completions
-    store: bool | None = None
+    tools: list[dict[str, Any]] | None = None   # function tools, Responses' flat shape
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include: list[str] | None = None          # none supported: only [] is accepted
+    store: bool | None = None                 # None: true, as in OpenAI
+    previous_response_id: str | None = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None   # {"effort", "summary"}: echoed, not applied
+    truncation: Literal["disabled"] | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None       # OpenAI's cache routing hint: no effect here
+    safety_identifier: str | None = None
+    # extensions, as on chat completions
+    cache_salt: str | None = Field(default=None, min_length=1)
+    top_k: int | None = None
+    ignore_eos: bool = False
+    priority: int = 0
 
 
 class TokenizeRequest(_Body):
