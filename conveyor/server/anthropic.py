@@ -10,8 +10,9 @@ Errors under /v1/messages have Anthropic's shape (`format_errors_under`).
   `role: "tool"` message; past thinking blocks are dropped from the prompt.
 - tools / tool_choice: auto, any (= OpenAI "required": a grammar forces calls), tool (one named
   function), none; `disable_parallel_tool_use` = `parallel_tool_calls: false`.
-- thinking: with ``--reasoning-parser`` the model's reasoning comes back as thinking blocks (with
-  an empty signature). `type` is passed to the chat template as `enable_thinking` (templates that
+- thinking: with ``--reasoning-parser`` and ``thinking`` enabled the model's reasoning comes back
+  as thinking blocks (with an empty signature); not enabled, reasoning the model writes anyway is
+  dropped. `type` is passed to the chat template as `enable_thinking` (templates that
   ignore it ignore it); `budget_tokens` is accepted but not enforced (max_tokens caps everything).
 - A last assistant message is continued (prefill): the response's text follows on from it.
 - max_tokens, which the API requires, is capped at what the context leaves after the prompt
@@ -35,6 +36,7 @@ from conveyor.server.inputs import Prompt, chat_prompt, chat_sampling, fit_to_co
 from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,
                                      parse_output)
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
+from conveyor.server.reasoning import parser_for
 from conveyor.server.serving import (EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
                                      collect_finals, merged, submit)
 from conveyor.server.state import ServerState
@@ -290,13 +292,13 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request)
     mid = f"msg_{uuid.uuid4().hex}"
     streams = submit(state.client, mid, [prompt], [params], 0)
     if req.stream:
-        return EngineStreamingResponse(_events(state, req, model, mid, prompt, tools, streams), state.client,
-                                       streams)
+        return EngineStreamingResponse(_events(state, req, model, mid, prompt, tools, streams,
+                                               parser_for(state.reasoning_parser, params)), state.client, streams)
     final = (await cancel_on_disconnect(raw, collect_finals(state.client, streams)))[0]
     c = final.outputs[0]
-    parsed = parse_output(c.text, tools, state.reasoning_parser, prompt.text)
+    parsed = parse_output(c.text, tools, parser_for(state.reasoning_parser, params), prompt.text)
     content: list[dict[str, Any]] = []
-    if parsed.reasoning:
+    if parsed.reasoning and _shows_thinking(req):
         content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
     if parsed.content:
         content.append({"type": "text", "text": parsed.content})
@@ -319,9 +321,10 @@ def _event(kind: str, **data: Any) -> str:
 
 
 async def _events(state: ServerState, req: MessagesRequest, model: str, mid: str, prompt: Prompt,
-                  tools: ToolPlan | None, streams: list) -> AsyncIterator[str]:
+                  tools: ToolPlan | None, streams: list, reasoning_parser: str | None) -> AsyncIterator[str]:
     """Anthropic's stream: message_start, per block start / deltas / stop, message_delta, message_stop."""
-    parser = OutputStream(tools, state.reasoning_parser, prompt.text)
+    parser = OutputStream(tools, reasoning_parser, prompt.text)
+    thinking = _shows_thinking(req)
     n_in = len(prompt.token_ids)
     index, kind = -1, None   # the open content block (kind None: none open)
 
@@ -340,7 +343,7 @@ async def _events(state: ServerState, req: MessagesRequest, model: str, mid: str
 
     def translate(e: ReasoningDelta | ContentDelta | ToolCallStart | ToolArgsDelta) -> list[str]:
         out: list[str] = []
-        if isinstance(e, ReasoningDelta) and e.text:
+        if isinstance(e, ReasoningDelta) and e.text and thinking:
             if kind != "thinking":
                 out += open_block({"type": "thinking", "thinking": "", "signature": ""})
             out.append(_event("content_block_delta", index=index,
@@ -382,6 +385,12 @@ async def _events(state: ServerState, req: MessagesRequest, model: str, mid: str
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                  usage={"output_tokens": len(c.token_ids)})
     yield _event("message_stop")
+
+
+def _shows_thinking(req: MessagesRequest) -> bool:
+    """Thinking blocks only for a request that enabled thinking (as Anthropic's API); otherwise the
+    reasoning a model writes anyway is dropped, not mixed into the text."""
+    return req.thinking is not None and req.thinking.type != "disabled"
 
 
 def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:

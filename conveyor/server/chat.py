@@ -22,6 +22,7 @@ from conveyor.server.serving import (DONE, EngineStreamingResponse, abort, cance
 from conveyor.server.state import ServerState
 from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,
                                      parse_output)
+from conveyor.server.reasoning import parser_for
 from conveyor.server.tools import ToolPlan, plan_tools
 
 
@@ -52,7 +53,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     prompt_text = prompt.text
     params = fit_to_context(state.client, prompt, params, "messages", max_param)
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs, tools,
-               state.reasoning_parser, prompt_text)
+               parser_for(state.reasoning_parser, params), prompt_text)
     streams = submit(state.client, job.id, [prompt], [params], req.priority, req.cache_salt)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage

@@ -98,10 +98,10 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
             for c in out.outputs:
                 index = i * job.n + c.index
                 first = index not in started
-                if score_only:
+                if score_only:   # the one token generated to run the prompt is not shown, nor counted
                     if not c.finished:
                         continue
-                    c.delta_text, c.delta_token_ids = "", []
+                    c.text, c.token_ids, c.delta_text, c.delta_token_ids = "", [], "", []
                 if index in done or not ((first and (echo or prompt_logprobs is not None)) or c.delta_text or c.finished
                                          or (job.num_logprobs is not None and c.delta_token_ids)):
                     continue

@@ -64,6 +64,11 @@ class _Record:
         return self.http_done and all(e.output is not None for e in self.engine.values())
 
 
+def _observed(path: str) -> bool:
+    """The API routes that run engine requests (scoring also answers at vLLM's unversioned paths)."""
+    return path.startswith(("/v1/", "/v2/")) or path in ("/score", "/rerank")
+
+
 class RequestObserver:
     """The registry of API requests in flight and what is written when they end."""
 
@@ -146,7 +151,7 @@ def submitted(base_id: str, streams: list[RequestStream], params: list[SamplingP
 
 
 class ObserveMiddleware:
-    """Opens a record for each API request (POST /v1/...), notes its status (and error code), and
+    """Opens a record for each API request (POST /v1/..., and the unversioned /score, /rerank, /v2/rerank), notes its status (and error code), and
     closes it when the response has ended, however it ends."""
 
     def __init__(self, app: ASGIApp, observer: RequestObserver):
@@ -154,7 +159,7 @@ class ObserveMiddleware:
         self.observer = observer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["method"] != "POST" or not _observed(scope["path"]):
             return await self.app(scope, receive, send)
         record = self.observer.opened(scope)
 

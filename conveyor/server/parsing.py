@@ -5,7 +5,12 @@ text (``--reasoning-parser``), content text and tool calls — a call's start (i
 as its name is complete and its arguments as they are generated (the ``hermes`` parser streams
 the arguments' JSON text verbatim; the ``json`` parser, whose whole output is the call, sends
 them when the output ends). `parse_output` runs the same stream over a whole output, so a
-streamed answer and a non-streamed one always agree.
+streamed answer and a non-streamed one agree on every complete output. Two cases cannot: a call
+cut by max_tokens after its name was sent, and a block read as a call (name first, then an
+object) that turns out not to be valid JSON when it closes — a stream has announced the call
+(its arguments incomplete or invalid) before the end shows it; the whole output has no such call
+(the invalid block is content). Arguments given as a JSON-encoded string are sent whole at the
+block's close (the string's content).
 
 With tools in play, content is what lies outside ``<tool_call>`` blocks, with surrounding
 whitespace dropped; a block cut by max_tokens is neither content nor a call (no markup leaks
@@ -121,6 +126,8 @@ class OutputStream:
         # position in the block up to which they were read)
         self._streaming: tuple[int, _JsonValueEnd | None, int] | None = None
         self._args, self._call_id, self._name = "", "", ""
+        self._whole = False        # the open block is read when it closes (its arguments are not an object)
+        self._announced = 0        # calls announced (ToolCallStart) so far: the next one's index
         self._pending_ws = ""      # whitespace between pieces of content, sent once more content follows
         self._content_started = False
         self._ended = False
@@ -184,19 +191,24 @@ class OutputStream:
         """Advance the open <tool_call> block; True when it closed (more text may follow)."""
         self._body += self._text
         self._text = ""
-        if self._streaming is None:
+        if self._streaming is None and not self._whole:
             m = _HEAD.match(self._body)
             if m is not None:
-                name = json.loads(m.group(1))
-                index = len(self.calls)   # one block is open at a time: calls are numbered in order
-                call_id = new_call_id()
-                out.append(ToolCallStart(index, call_id, name))
-                self._streaming = (index, _JsonValueEnd(), m.end())
-                self._args, self._call_id, self._name = "", call_id, name
+                value = self._body[m.end():].lstrip()
+                if not value.startswith("{"):   # not an object (a JSON-encoded string, ...): read at the close
+                    self._whole = bool(value)
+                else:
+                    name = json.loads(m.group(1))
+                    index, call_id = self._announced, new_call_id()
+                    self._announced += 1
+                    out.append(ToolCallStart(index, call_id, name))
+                    self._streaming = (index, _JsonValueEnd(), m.end())
+                    self._args, self._call_id, self._name = "", call_id, name
         if self._streaming is not None:
             index, scanner, pos = self._streaming
             end = self._body.find(CLOSE, pos)
-            chunk_end = len(self._body) if end < 0 else end
+            # (a partial </tool_call> at the end is held back: it is not arguments)
+            chunk_end = len(self._body) - _partial_suffix(self._body, CLOSE) if end < 0 else end
             if scanner is not None and not scanner.started:   # whitespace before the value is not sent
                 while pos < chunk_end and self._body[pos].isspace():
                     pos += 1
@@ -214,10 +226,13 @@ class OutputStream:
                 if final:   # cut inside a call: not a call, not content
                     self._reset_call()
                 return False
-            self.calls.append({"id": self._call_id, "type": "function",
-                               "function": {"name": self._name, "arguments": self._args}})
-            self._text = self._body[end + len(CLOSE):]
+            block, self._text = self._body[:end], self._body[end + len(CLOSE):]
+            call = {"id": self._call_id, "type": "function", "function": {"name": self._name, "arguments": self._args}}
             self._reset_call()
+            if _valid_block(block, call):
+                self.calls.append(call)
+            else:   # announced while streaming, but not a valid call: the model's text, as written
+                self._say(out, OPEN + block + CLOSE)
             return True
         end = self._body.find(CLOSE)
         if end < 0:
@@ -231,14 +246,15 @@ class OutputStream:
             self._say(out, OPEN + block + CLOSE)
             return True
         call = calls[0]
-        index = len(self.calls)
+        index = self._announced
+        self._announced += 1
         out.append(ToolCallStart(index, call["id"], call["function"]["name"]))
         out.append(ToolArgsDelta(index, call["function"]["arguments"]))
         self.calls.append(call)
         return True
 
     def _reset_call(self) -> None:
-        self._in_call, self._body, self._streaming, self._args = False, "", None, ""
+        self._in_call, self._body, self._streaming, self._args, self._whole = False, "", None, "", False
 
     def _json_calls(self) -> list[Event]:
         content, calls = parse_tool_calls(self._text, "json")
@@ -247,11 +263,23 @@ class OutputStream:
             self._say(out, self._text)
             return out
         for call in calls:
-            index = len(self.calls)
+            index = self._announced
+            self._announced += 1
             out += [ToolCallStart(index, call["id"], call["function"]["name"]),
                     ToolArgsDelta(index, call["function"]["arguments"])]
             self.calls.append(call)
         return out
+
+
+def _valid_block(block: str, call: dict[str, Any]) -> bool:
+    """Whether a streamed block is the call it was read as: one JSON object with that name and an
+    object of arguments, nothing after it."""
+    try:
+        value, args = json.loads(block), json.loads(call["function"]["arguments"])
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and value.get("name") == call["function"]["name"]
+            and isinstance(value.get("arguments"), dict) and args == value["arguments"])
 
 
 def parse_output(text: str, tools: ToolPlan | None, reasoning_parser: str | None = None,

@@ -10,13 +10,27 @@ the two always agree).
   opens the block in the prompt; a leading ``<think>`` in the output is dropped); everything up
   to ``</think>`` is reasoning, and with no ``</think>`` the whole output is.
 
-Whitespace between ``</think>`` and the answer is not part of the answer.
+Whitespace between ``</think>`` and the answer is not part of the answer. A constrained output
+(a grammar from the first token) is read without the parser, unless its regex or grammar itself
+spells ``</think>`` (`parser_for`).
 """
 
 from __future__ import annotations
 
 PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
+
+
+def parser_for(parser: str | None, params: object) -> str | None:
+    """The reasoning parser to read a request's output with: none when a grammar constrains the
+    output (tool_choice required/named, response_format, structured outputs): the grammar holds
+    from the first token, so the output has no reasoning block and is all answer — unless the
+    constraint itself writes the end of the reasoning (a regex or grammar spelling ``</think>``)."""
+    constraint = getattr(params, "structured_outputs", None)
+    if parser is None or constraint is None:
+        return parser
+    spelled = " ".join(str(getattr(constraint, k, None) or "") for k in ("regex", "grammar"))
+    return parser if END in spelled else None
 
 
 def opened_in_prompt(prompt_text: str | None) -> bool:

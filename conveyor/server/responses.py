@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -40,11 +41,14 @@ from conveyor.server.inputs import (chat_prompt, chat_sampling, fit_to_context, 
                                     text_chars)
 from conveyor.server.parsing import ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from conveyor.server.reasoning import parser_for
 from conveyor.server.response_store import MAX_STORED_BYTES, MAX_STORED_RESPONSES, ResponseStore, StoredResponse
 from conveyor.server.serving import (EngineStreamingResponse, abort, cancel_on_disconnect, check_output,
                                      collect_finals, merged, submit)
 from conveyor.server.state import ServerState
-from conveyor.server.tools import ToolPlan, plan_tools
+from conveyor.server.tools import ToolPlan, plan_tools, strict_objects
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_STORED_BYTES", "MAX_STORED_RESPONSES", "ResponseStore", "create_response", "register_responses"]
 
@@ -211,7 +215,10 @@ def _chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCom
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    spec = format_constraint(fmt.get("type"), fmt.get("schema"), "text.format", "a schema", "text")
+    schema = fmt.get("schema")
+    if isinstance(schema, dict) and fmt.get("strict") is True:   # as response_format's strict on chat
+        schema = strict_objects(schema)
+    spec = format_constraint(fmt.get("type"), schema, "text.format", "a schema", "text")
     tools, choice = _chat_tools(req)
     return ChatCompletionRequest(messages=messages, max_completion_tokens=req.max_output_tokens,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
@@ -398,7 +405,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         raise
     tools = tools if tools is not None and tools.active else None
     job = _Job(_new_id("resp"), int(time.time()), model, req, state)
-    out = _Output(tools, state.reasoning_parser, prompt.text)
+    out = _Output(tools, parser_for(state.reasoning_parser, params), prompt.text)
 
     def stored(body: dict[str, Any]) -> None:
         if req.store is not False:
@@ -473,6 +480,9 @@ async def _background(state: ServerState, store: ResponseStore, job: _Job, entry
         entry.body = job.body("failed", [], error={"code": "server_error", "message": e.message})
     except asyncio.CancelledError:
         entry.body = job.body("cancelled", [])
+    except Exception as e:   # noqa: BLE001 - a background task must end in a final status, never hang
+        logger.exception("background response %s failed", job.id)
+        entry.body = job.body("failed", [], error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
     finally:
         abort(state.client, streams)
         entry.task = None

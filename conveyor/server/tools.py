@@ -113,8 +113,8 @@ def strict_objects(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` on every object schema that lists its
     ``properties`` and says nothing about other keys: a tool's arguments hold only the keys its
     schema declares (JSON Schema would allow any others, and small models then invent keys).
-    An object schema without ``properties`` (a free-form dict) and an explicit
-    ``additionalProperties`` are left as they are."""
+    An object schema without ``properties`` (a free-form dict), an explicit
+    ``additionalProperties`` and the branches of ``allOf`` / ``not`` are left as they are."""
     if isinstance(schema, list):
         return [strict_objects(s) for s in schema]
     if not isinstance(schema, dict):
@@ -123,6 +123,8 @@ def strict_objects(schema: Any) -> Any:
     for k, v in schema.items():
         if k in _SCHEMA_MAPS and isinstance(v, dict):   # name -> schema maps: the names are not keywords
             out[k] = {name: strict_objects(sub) for name, sub in v.items()}
+        elif k in ("allOf", "not"):   # closing one branch of a conjunction would forbid the others' keys
+            out[k] = v
         else:
             out[k] = v if k in _VALUES else strict_objects(v)
     if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:

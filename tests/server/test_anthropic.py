@@ -229,6 +229,10 @@ def test_thinking_blocks_from_the_reasoning_parser(reasoning_server):
         final = stream.get_final_message()
     assert set(deltas) == {"thinking_delta"}
     assert final.content[0].thinking == msg.content[0].thinking and final.stop_reason == msg.stop_reason
+    # thinking not enabled: no thinking blocks (as Anthropic's API), and the reasoning is not text either
+    plain = claude.messages.create(**{k: v for k, v in kw.items() if k != "thinking"})
+    assert all(b.type != "thinking" for b in plain.content)
+    assert msg.content[0].thinking not in "".join(b.text for b in plain.content if b.type == "text")
 
 
 @pytest.mark.slow

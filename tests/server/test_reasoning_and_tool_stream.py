@@ -30,7 +30,11 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os\\"lo", "n": [1, {"a": "}"}]}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_time"}\n</tool_call>'   # name last: sent whole
-PIECES = ["Sure. ", "\n", CALL_A, CALL_B, "<tool_call>{not json}</tool_call>", " bye", "<think>", "</think>", "hmm "]
+BAD_A = '<tool_call>\n{"name": "get_time", "arguments": {"a": 1}} trailing\n</tool_call>'   # read as a call, invalid
+BAD_B = '<tool_call>{"name": "get_time", "arguments": {"a": 1</tool_call>'
+STRING_ARGS = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}\n</tool_call>'
+PIECES = ["Sure. ", "\n", CALL_A, CALL_B, "<tool_call>{not json}</tool_call>", " bye", "<think>", "</think>", "hmm ",
+          BAD_A, BAD_B, STRING_ARGS]
 CUT = '<tool_call>\n{"name": "get_time", "argu'   # max_tokens ended the output inside a call
 
 
@@ -55,13 +59,18 @@ def test_streamed_reading_equals_the_whole_output_read_at_once(pieces, cut, cuts
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in reader.calls] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
     starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert len({s.index for s in starts}) == len(starts)   # every announced call has its own index
     for call in reader.calls:   # each finished call: started once, its argument pieces add up to valid JSON
         k = next(s.index for s in starts if s.id == call["id"])
         args = "".join(e.text for e in events if isinstance(e, ToolArgsDelta) and e.index == k)
         assert args == call["function"]["arguments"]
-        json.loads(args)
-    if whole.content is not None:   # no markup of a call in the content (a block that is not a call stays)
-        assert '{"name"' not in whole.content and '"arguments"' not in whole.content
+        assert isinstance(json.loads(args), dict)
+    expected_calls = sum(text.count(p) for p in (CALL_A, CALL_B, STRING_ARGS)) if parser is None else None
+    if expected_calls is not None:
+        assert len(whole.tool_calls) == expected_calls - (CUT in text and False)
+    if whole.content is not None:   # no markup of a valid call in the content (invalid blocks stay as written)
+        rest = whole.content.replace(BAD_A, "").replace(BAD_B, "")
+        assert '{"name"' not in rest and '"arguments"' not in rest
 
 
 def test_a_call_cut_by_max_tokens_is_neither_content_nor_a_call():
@@ -233,9 +242,42 @@ def test_response_format_strict_true_reads_the_schema_strictly():
 @pytest.mark.slow
 def test_strict_response_format_output_has_only_listed_keys(client, model_name):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    finished = 0
     for seed in range(3):
         r = client.chat.completions.create(
             model=model_name, messages=ASK, temperature=1.0, seed=seed, max_tokens=60,
             response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}})
         if r.choices[0].finish_reason == "stop":
+            finished += 1
             assert set(json.loads(r.choices[0].message.content)) == {"city"}
+    assert finished   # (a closed object with one short string finishes well within 60 tokens)
+
+
+def test_a_constrained_output_is_read_without_the_reasoning_parser():
+    """A grammar holds from the first token, so the output has no reasoning: with deepseek_r1 (which
+    otherwise reads everything before </think> as reasoning) a required call is still a call."""
+    from conveyor.sampling.params import SamplingParams
+    from conveyor.sampling.structured import StructuredOutputsParams
+    from conveyor.server.reasoning import parser_for
+
+    plan = plan_tools([WEATHER], "required", None)
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(grammar=plan.constraint.grammar))
+    assert parser_for("deepseek_r1", constrained) is None and parser_for("deepseek_r1", SamplingParams()) == "deepseek_r1"
+    thinks = SamplingParams(structured_outputs=StructuredOutputsParams(**THINK_THEN_ANSWER))
+    assert parser_for("qwen3", thinks) == "qwen3"   # the constraint writes the reasoning's end itself
+    out = parse_output(CALL_A, plan, parser_for("deepseek_r1", constrained))
+    assert out.reasoning is None and len(out.tool_calls) == 1
+
+
+@pytest.mark.slow
+def test_reasoning_server_still_answers_constrained_requests(reasoning_server):
+    client = reasoning_server.openai()
+    kw = dict(model=reasoning_server.engine.model_name, messages=ASK, temperature=0, max_tokens=60,
+              extra_body={"chat_template": THINK_TEMPLATE})
+    r = client.chat.completions.create(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, **kw)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+    assert r.choices[0].message.model_dump().get("reasoning_content") is None
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    r = client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+        "name": "w", "schema": schema, "strict": True}}, **kw)
+    assert "city" in json.loads(r.choices[0].message.content)
