@@ -9,7 +9,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -17,8 +16,11 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+    """The CPU (model, kernel flags), torch, threads and the kernel paths its probes chose: results
+    from different machines are not comparable, so every result says where it was measured."""
+    from conveyor.profile import machine as conveyor_machine
+
+    return {**conveyor_machine(), "python": platform.python_version()}
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:

@@ -24,9 +24,9 @@ class EngineConfig:
     model: str | None = option(None, "HF model directory or .gguf file (default: the demo model)", cli=False)
     tokenizer: str | None = option(None, "HF directory (or .gguf) to take the tokenizer from (default: the model's)")
     device: str = option("cpu", "torch device (cpu, cuda)")
-    dtype: str = option("auto", "weights, activations and KV cache dtype; auto: bfloat16 where a measured probe "
-                                "finds bf16 matmuls much faster than fp32 (CPUs with AMX or AVX512-BF16; GPUs), "
-                                "else float32 (float16: CUDA only)", choices=DTYPES)
+    dtype: str = option("auto", "weights, activations and KV cache dtype; auto: bfloat16 on CPUs with native bf16 "
+                                "matmuls (AMX or AVX512-BF16) and GPUs, else float32, the same at every start "
+                                "(float16: CUDA only)", choices=DTYPES)
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides kv_cache_gib)")
     kv_cache_gib: float = option(1.0, "memory for the KV cache, in GiB")

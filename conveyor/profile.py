@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,20 +41,16 @@ class Sample:
 
 
 def machine() -> dict:
-    """CPU model and the flags that decide its kernels, torch and its threads."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"cpu": model, "flags": [f for f in wanted if f in flags], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available()
-            else None}
+    """CPU model and the flags that decide its kernels, torch and its threads, and the kernel paths
+    this machine's probes chose (conveyor/model/probe_cache.py; empty before the first engine start)."""
+    from conveyor.model.probe_cache import KEY_FLAGS, cpu_info, decisions
+
+    model, flags = cpu_info()
+    return {"cpu": model if model != "unknown" else platform.processor() or platform.machine(),
+            "flags": [f for f in KEY_FLAGS if f in flags], "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "paths": decisions()["decisions"]}
 
 
 class _Plans:

@@ -45,8 +45,9 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
                "scheduler", "tokenizer"),
     "sim": ("config", "engine.core", "kv", "paths", "request", "runner", "sampling", "scheduler"),   # runner/state.py
     "plot": ("engine.core",),
-    "profile": ("engine", "sampling", "scheduler"),
-    "server": ("config", "engine", "engine.core", "errors", "parallel", "sampling", "scheduler", "tokenizer"),
+    "profile": ("engine", "model", "sampling", "scheduler"),
+    "server": ("config", "engine", "engine.core", "errors", "parallel", "request", "sampling", "scheduler",
+               "tokenizer"),
     "bench": (),
     "cli": ("bench", "config", "engine", "paths", "plot", "profile", "sampling", "server", "sim"),
     "__main__": ("cli",),

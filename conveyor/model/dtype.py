@@ -1,10 +1,14 @@
-"""``dtype="auto"``: the compute dtype this machine runs fastest, decided by measurement.
+"""``dtype="auto"``: the compute dtype this machine runs best, the same at every start.
 
-On CUDA: bf16 where the GPU supports it, else fp16. On a CPU: bf16 only if a bf16 matmul of a
-decoder-sized shape, in the form the engine runs it (oneDNN prepacked where that is faster),
-beats fp32 by a clear margin here — the case on CPUs with AMX or AVX512-BF16; without native
-bf16 the emulation is slower than fp32 and the probe says so. Flags alone are not trusted: a
-VM can report them while the hypervisor traps the instructions.
+On CUDA: bf16 where the GPU supports it, else fp16. On a CPU the CPU's features decide, not a
+timing (which a busy machine can turn around: a bf16/fp32 probe once measured 0.28x under load
+and 4.4x idle on the same machine, and the choice changed greedy outputs between two restarts):
+bf16 where the CPU has native bf16 matmuls (AMX or AVX512-BF16), fp32 where it does not (bf16 is
+then emulated and slower than fp32 on every CPU measured). Flags alone are not trusted either —
+a VM can report them while the hypervisor traps the instructions — so with native flags a probe
+of a decoder-sized matmul can veto bf16, but only if it runs below half of fp32's speed, far from
+noise; and its answer is measured once per machine and remembered (probe_cache.py), so it cannot
+flip between starts. The choice and its reason are logged.
 """
 
 from __future__ import annotations
@@ -19,18 +23,15 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# bf16 must be at least this much faster than fp32 to be picked (it costs precision).
-MIN_SPEEDUP = 1.3
+# Native bf16 flags choose bf16 unless a probe measured it below this fraction of fp32's speed.
+VETO_SPEEDUP = 0.5
+NATIVE_BF16 = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from conveyor.model.probe_cache import cpu_info
+
+    return cpu_info()[1]
 
 
 def _time(fn, repeats: int = 10) -> float:
@@ -62,14 +63,25 @@ def bf16_speedup_on_cpu() -> float:
 
 
 def resolve_dtype(spec: str, device: str | torch.device) -> str:
-    """The dtype to run: `spec` itself, or for "auto" what this device runs best."""
+    """The dtype to run: `spec` itself, or for "auto" what this device runs best (module docstring)."""
     if spec != "auto":
         return spec
     if torch.device(device).type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    speedup = bf16_speedup_on_cpu()
-    flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx512f", "avx2"})
-    chosen = "bfloat16" if speedup >= MIN_SPEEDUP else "float32"
-    logger.info("dtype auto: bf16 matmul %.2fx fp32 on this CPU (%s): %s", speedup, ", ".join(flags) or "no SIMD flags",
-                chosen)
+    chosen, why = cpu_auto_dtype(cpu_flags())
+    logger.info("dtype auto: %s (%s)", chosen, why)
     return chosen
+
+
+def cpu_auto_dtype(flags: set[str]) -> tuple[str, str]:
+    """(dtype, the reason) for this CPU's flags; the probe runs only where the flags say bf16."""
+    from conveyor.model.probe_cache import remembered
+
+    native = sorted(flags & set(NATIVE_BF16))
+    if not native:
+        return "float32", "no native bf16 matmul on this CPU (no AMX or AVX512-BF16): bf16 would be emulated"
+    speedup = float(remembered("bf16_speedup", bf16_speedup_on_cpu))
+    if speedup < VETO_SPEEDUP:
+        return "float32", (f"the CPU reports {', '.join(native)}, but bf16 ran at {speedup:.2f}x fp32 when first "
+                           "measured on this machine (trapped or emulated)")
+    return "bfloat16", f"native bf16 ({', '.join(native)}); measured {speedup:.2f}x fp32 on this machine"

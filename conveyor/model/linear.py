@@ -59,6 +59,13 @@ def _time(fn, repeats: int = 20, warmup: int = 3) -> float:
 
 @cache
 def _measured(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    from conveyor.model.probe_cache import remembered
+
+    return bool(remembered(f"packed_linear/{dtype}/{in_features}x{out_features}",
+                           lambda: _measure_packed(dtype, in_features, out_features)))
+
+
+def _measure_packed(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
     if not _ops_available():
         return False
     try:
@@ -86,6 +93,16 @@ def prefer_packed(device: torch.device | str, dtype: torch.dtype, in_features: i
 
 @cache
 def _gemv_measured(dtype: torch.dtype, in_features: int, out_features: int, packed: bool, copies: int) -> int:
+    from conveyor.model.cpu_kernels import cpu_kernels
+    from conveyor.model.probe_cache import remembered
+
+    if cpu_kernels("cpu", dtype) is None:   # not built here: nothing to remember
+        return 0
+    name = f"gemv_tokens/{dtype}/{in_features}x{out_features}/{'packed' if packed else 'plain'}/{copies}"
+    return int(remembered(name, lambda: _measure_gemv(dtype, in_features, out_features, packed, copies)))
+
+
+def _measure_gemv(dtype: torch.dtype, in_features: int, out_features: int, packed: bool, copies: int) -> int:
     from conveyor.model.cpu_kernels import cpu_kernels
 
     kernels = cpu_kernels("cpu", dtype)

@@ -1,0 +1,86 @@
+"""The same command gives the same engine: probe-chosen paths are measured once per machine and
+remembered; dtype="auto" follows the CPU's features, and a flickering probe cannot flip it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.model import dtype as dtype_mod, probe_cache
+from conveyor.model.dtype import cpu_auto_dtype
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_PROBES", raising=False)
+    monkeypatch.setattr(probe_cache, "_fresh_done", set())
+    return tmp_path
+
+
+def test_a_probe_is_measured_once_and_read_back():
+    calls = []
+    assert probe_cache.remembered("x", lambda: calls.append(1) or 7) == 7
+    assert probe_cache.remembered("x", lambda: calls.append(1) or 9) == 7     # a later start: the same answer
+    assert calls == [1]
+    data = json.loads(probe_cache.probes_path().read_text())
+    assert data["decisions"] == {"x": 7} and data["machine"] == probe_cache.machine_key()
+
+
+def test_fresh_measures_again_once_and_off_never_touches_the_file(monkeypatch):
+    probe_cache.remembered("x", lambda: 1)
+    monkeypatch.setenv("CONVEYOR_PROBES", "fresh")
+    assert probe_cache.remembered("x", lambda: 2) == 2
+    assert probe_cache.remembered("x", lambda: 3) == 2      # once per process
+    monkeypatch.setenv("CONVEYOR_PROBES", "off")
+    assert probe_cache.remembered("x", lambda: 4) == 4
+    assert probe_cache.remembered("y", lambda: 5) == 5
+    assert json.loads(probe_cache.probes_path().read_text())["decisions"] == {"x": 2}
+
+
+def test_another_machine_key_measures_afresh(monkeypatch):
+    probe_cache.remembered("x", lambda: 1)
+    first = probe_cache.probes_path()
+    monkeypatch.setattr(probe_cache, "cpu_info", lambda: ("Another CPU", {"avx2"}))
+    assert probe_cache.probes_path() != first
+    assert probe_cache.remembered("x", lambda: 2) == 2
+
+
+def test_auto_dtype_without_native_bf16_is_fp32_without_a_probe(monkeypatch):
+    monkeypatch.setattr(dtype_mod, "bf16_speedup_on_cpu", lambda: pytest.fail("no probe without native bf16"))
+    assert cpu_auto_dtype({"avx2", "avx512f", "avx512_vnni"})[0] == "float32"
+
+
+def test_auto_dtype_cannot_flip_between_starts_on_a_busy_machine(monkeypatch):
+    """The reported case: one start measured bf16 at 4.4x fp32, a busy one 0.28x. With native bf16
+    flags the first answer is remembered, so every later start chooses the same dtype."""
+    flags = {"avx512f", "avx512_bf16"}
+    measurements = iter([4.4, 0.28, 0.28])
+    monkeypatch.setattr(dtype_mod, "bf16_speedup_on_cpu", lambda: next(measurements))
+    choices = {cpu_auto_dtype(flags)[0] for _ in range(3)}
+    assert choices == {"bfloat16"}
+
+
+def test_a_trapping_hypervisor_vetoes_bf16(monkeypatch):
+    monkeypatch.setattr(dtype_mod, "bf16_speedup_on_cpu", lambda: 0.2)
+    chosen, why = cpu_auto_dtype({"amx_bf16", "amx_tile"})
+    assert chosen == "float32" and "0.20x" in why
+    # a moderate slowdown (noise on a shared machine) is not a veto
+    monkeypatch.setenv("CONVEYOR_PROBES", "off")
+    monkeypatch.setattr(dtype_mod, "bf16_speedup_on_cpu", lambda: 0.8)
+    assert cpu_auto_dtype({"amx_bf16"})[0] == "bfloat16"
+
+
+def test_linear_path_probes_are_remembered(monkeypatch):
+    """The GEMV width and the prepacking decision come back from the file, not a new timing."""
+    from conveyor.model import linear
+
+    import torch
+
+    linear._measured.cache_clear()
+    name = f"packed_linear/{torch.float32}/64x96"
+    probe_cache.remembered(name, lambda: True)
+    monkeypatch.setattr(linear, "_measure_packed", lambda *a: pytest.fail("measured again"))
+    assert linear._measured(torch.float32, 64, 96) is True
+    linear._measured.cache_clear()
