@@ -49,6 +49,21 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "ranks that each hold a slice of every layer (Megatron-style, over torch.distributed: gloo on CPU, "
            "NCCL on CUDA); spawned on this machine, or joined under torchrun")
+    kv_events_endpoint: str | None = option(
+        None, "publish KV cache events in vLLM's wire format (ZMQ PUB + msgpack) for prefix-aware routers "
+              "(llm-d, Dynamo): tcp://*:5557 binds, tcp://HOST:PORT connects to a subscriber that binds; "
+              "data-parallel replica i uses port + i (default: off)")
+    kv_events_replay_endpoint: str | None = option(
+        None, "ZMQ ROUTER endpoint that replays recent KV-event batches from a given sequence number "
+              "(e.g. tcp://*:5558; replica i: port + i)")
+    kv_events_topic: str = option("", "topic frame of every KV-event message (llm-d expects kv@POD@MODEL)")
+    kv_events_buffer_steps: int = option(10_000, "KV-event batches (one per engine step with events) kept "
+                                                 "for the replay endpoint")
+    kv_events_hwm: int = option(100_000, "ZMQ high-water mark of the KV-event publisher: messages queued per "
+                                         "subscriber before a slow one loses batches")
+    data_parallel_rank: int = option(0, "this engine's replica index among data-parallel replicas: the KV events' "
+                                        "dp_rank and port offset (set per replica by --data-parallel-size; give "
+                                        "it yourself when each replica is its own server)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -59,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_consecutive_step_failures < 1:
             raise ValueError("max_consecutive_step_failures must be >= 1")
+        if self.kv_events_buffer_steps < 1 or self.kv_events_hwm < 1:
+            raise ValueError("kv_events_buffer_steps and kv_events_hwm must be >= 1")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

@@ -84,6 +84,7 @@ class EngineBackend:
         self.grammars = grammar_backend(self.tokenizer, self.model_config.vocab_size)
         self.core.grammars = self.grammars
         self.last_step_time = 0.0   # seconds in the latest step()
+        self.kv_events = kv_event_publisher(config, kv)   # None unless config.kv_events_endpoint
 
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig, dtype: torch.dtype):
@@ -117,6 +118,9 @@ class EngineBackend:
 
     def close(self) -> None:
         """Release what outlives the engine object (the other tensor-parallel ranks)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.events.take())
+            self.kv_events.close()
         close = getattr(self.core.executor, "close", None)
         if close is not None:
             close()
@@ -165,6 +169,8 @@ class EngineBackend:
         """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted;
         for a caller's abort (``report``), the deltas that say so, with the final metrics."""
         ended = self.core.abort_requests(command.seq_ids, command.status, command.reason)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.events.take())
         if not command.report:
             return []
         return [SeqUpdate(r.request_id, None, None, r.finish_reason, None, None, metrics_snapshot(r)) for r in ended]
@@ -176,6 +182,8 @@ class EngineBackend:
         """One iteration of the core; a delta for every sequence that got a token, finished or failed."""
         t0 = time.perf_counter()
         updates = self.core.step() if self.core.has_unfinished() else []
+        if self.kv_events is not None:   # one batch per step (none for a step without events)
+            self.kv_events.publish(self.kv.events.take())
         self.last_step_time = time.perf_counter() - t0
         return updates
 
@@ -256,6 +264,23 @@ def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int,
 
 
 
+
+
+def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):
+    """The KV-event publisher (conveyor/kv/events.py) when config.kv_events_endpoint is set, fed by `kv`."""
+    if not config.kv_events_endpoint:
+        return None
+    from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
+
+    if not config.enable_prefix_caching:
+        logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
+    publisher = ZmqEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                  config.kv_events_topic, config.kv_events_buffer_steps, config.kv_events_hwm,
+                                  dp_rank=config.data_parallel_rank)
+    kv.enable_events(KVEventRecorder(config.block_size))
+    logger.info("KV events on %s (replay: %s, dp_rank %d)", publisher.endpoint, publisher.replay_endpoint,
+                config.data_parallel_rank)
+    return publisher
 
 
 def chrome_path(path: str) -> str:

@@ -22,6 +22,7 @@ evicted one still match after the re-publication.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -54,6 +55,7 @@ class BlockPool:
         # key -> (content, parent, publication id) of its last evicted holder, oldest first
         self.retired: OrderedDict[bytes, tuple[bytes, int, int]] = OrderedDict()
         self.stats = PoolStats()
+        self.on_remove: Callable[[bytes], None] | None = None   # told each key that leaves the cache (KV events)
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +155,8 @@ class BlockPool:
 
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:
+            if self.on_remove is not None:
+                self.on_remove(block.block_hash)
             del self.cached[block.block_hash]
             self.retired.pop(block.block_hash, None)
             self.retired[block.block_hash] = (block.content, block.parent, block.pub_id)

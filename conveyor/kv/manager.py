@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conveyor.kv.block_pool import BlockPool, PoolStats
+from conveyor.kv.events import MEDIUM_DEVICE, MEDIUM_HOST, KVEventRecorder
 from conveyor.request import Request
 
 # Prefix-cache keys: block i's key is sha256(key of block i-1, or ROOT_HASH for the first block ||
@@ -107,6 +108,14 @@ class KVCacheManager:
         # request id -> the publication its next full block is computed after (0: none yet);
         # None: a block of its chain could not be published (collision), so no later one is.
         self.chain_parent: dict[str, int | None] = {}
+        # KV events (conveyor/kv/events.py): None unless enabled, and then every hook below is skipped.
+        self.events: KVEventRecorder | None = None
+        self.host_keys: dict[str, list[bytes]] = {}   # request id -> keys of its published blocks on the host
+
+    def enable_events(self, recorder: KVEventRecorder) -> None:
+        """Report blocks entering and leaving the prefix cache (and host memory) to `recorder`."""
+        self.events = recorder
+        self.pool.on_remove = lambda key: recorder.removed((key,))
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -242,13 +251,33 @@ class KVCacheManager:
             return
         keys = self._block_keys(request, full * self.block_size)
         parent = self.chain_parent.get(rid) if start else 0
+        events, cached = self.events, self.pool.cached
+        run = end = start   # events: the newly published blocks run..end-1 are not reported yet
         for i in range(start, full):
             if parent is None:
                 break
+            was = cached.get(keys.hashes[i]) if events is not None else None
             holder = self.pool.register(table[i], keys.hashes[i], keys.contents[i], parent)
             parent = None if holder is None else self.pool.blocks[holder].pub_id
+            end = i + 1
+            if events is not None and (holder != table[i] or was == holder):   # not newly published here
+                self._report_stored(request, keys.hashes, run, i)
+                run = end
+        if events is not None:
+            self._report_stored(request, keys.hashes, run, end)
         self.chain_parent[rid] = parent
         self.num_registered[rid] = full
+
+    def _report_stored(self, request: Request, hashes: list[bytes], start: int, end: int,
+                       medium: str = MEDIUM_DEVICE) -> None:
+        """Events: the request's blocks start..end-1 (consecutive) entered the cache (or the host)."""
+        if end <= start:
+            return
+        bs = self.block_size
+        tokens = request.all_token_ids[start * bs:end * bs]
+        parent = hashes[start - 1] if start else None
+        salt = request.cache_salt if start == 0 else None
+        self.events.stored(hashes[start:end], parent, tokens, salt, medium)
 
     def free(self, request: Request) -> None:
         rid = request.request_id
@@ -258,6 +287,8 @@ class KVCacheManager:
         host = self.host_tables.pop(rid, None)
         if host:
             self.host.release(host)
+        if self.events is not None and rid in self.host_keys:
+            self.events.removed(self.host_keys.pop(rid), MEDIUM_HOST)
         pinned = self.swapped_tables.pop(rid, None)
         if pinned:
             self.pool.release([b for b in pinned[::-1] if b is not None])
@@ -323,6 +354,8 @@ class KVCacheManager:
         table = self.tables.pop(rid)
         blocks = self.pool.blocks
         moved = [b for b in table if blocks[b].ref_count == 1]
+        if self.events is not None:
+            self._report_swapped_out(request, table)
         host = self.host.allocate(len(moved))
         self.host_tables[rid] = host
         self.swapped_tables[rid] = [None if blocks[b].ref_count == 1 else b for b in table]
@@ -347,7 +380,36 @@ class KVCacheManager:
             table.append(b)
         self.tables[rid] = table
         self.host.release_after_step(host)
+        if self.events is not None and rid in self.host_keys:
+            self.events.removed(self.host_keys.pop(rid), MEDIUM_HOST)
         return list(zip(host, new))
+
+    def _report_swapped_out(self, request: Request, table: list[int]) -> None:
+        """Events: the request's published blocks that swap-out copies to the host (its unshared ones)."""
+        blocks, keys = self.pool.blocks, self.hashes.get(request.request_id)
+        hashes = keys.hashes if keys is not None else []
+        on_host, run = [], None
+        for i, b in enumerate(table + [None]):
+            moved = (b is not None and i < len(hashes) and blocks[b].ref_count == 1
+                     and blocks[b].block_hash == hashes[i])
+            if moved:
+                on_host.append(hashes[i])
+                run = i if run is None else run
+            elif run is not None:
+                self._report_stored(request, hashes, run, i, MEDIUM_HOST)
+                run = None
+        if on_host:
+            self.host_keys[request.request_id] = on_host
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix that no request holds; True if nothing is cached any more
+        (then the events say AllBlocksCleared, else which blocks left)."""
+        self.pool.reset_prefix_cache()
+        empty = not self.pool.cached
+        if self.events is not None and empty and not self.host_keys:
+            self.events.pending.clear()   # whatever this step stored or removed is gone now
+            self.events.cleared()
+        return empty
 
     def end_step(self) -> None:
         """A step's plan is complete: host blocks its swap-ins read may serve the next step's swap-outs."""

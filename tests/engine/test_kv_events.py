@@ -1,0 +1,347 @@
+"""KV cache events in vLLM's wire format, read by a plain msgpack + zmq subscriber written from
+the format in docs/scale-out.md ("KV events"), not with the publisher's classes.
+
+A subscriber watches a real engine (a tiny cache, so blocks are evicted) and rebuilds the cache
+from the events: every stored block's tokens and parent chain must be the tokens of a request
+(prompt + output, block by block), removals must name blocks stored before, the final state must
+be the engine's prefix cache, sequence numbers consecutive; a late subscriber gets what it missed
+from the replay socket; the cache salt rides in extra_keys; swapped blocks move to medium CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+from conveyor.sampling.params import SamplingParams  # noqa: E402
+
+from engine_testlib import run_all  # noqa: E402
+
+END = -1
+TOPIC = b"kv@10.0.0.7@tiny"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+# ---- a subscriber written from the documented format ------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subscribe(port: int):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
+def receive_until(sub, last_seq: int) -> list[tuple[int, bytes]]:
+    """Live messages (seq, payload) up to and including last_seq."""
+    out = []
+    while not out or out[-1][0] < last_seq:
+        assert sub.poll(20_000), "no KV-event message within 20 s"
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == TOPIC and len(seq) == 8
+        out.append((int.from_bytes(seq, "big"), payload))
+    return out
+
+
+def replay(port: int, start: int) -> list[tuple[int, bytes]]:
+    """Ask the replay socket for every batch from `start` on (a DEALER sends what REQ would)."""
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        req.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert req.poll(20_000), "the replay socket did not answer within 20 s"
+            empty, seq, payload = req.recv_multipart()
+            assert empty == b""
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == END:
+                assert payload == b""
+                return out
+            out.append((seq, payload))
+    finally:
+        req.close(0)
+
+
+def decode(payload: bytes) -> tuple[float, list[dict], int]:
+    """[ts, [events], dp_rank]; each event [type, fields...] -> a dict."""
+    ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+    out = []
+    for e in events:
+        kind = e[0]
+        if kind == "BlockStored":
+            fields = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                      "lora_name", "extra_keys"]
+            ev = dict(zip(fields, e[1:]))
+            ev.setdefault("extra_keys", None)
+        elif kind == "BlockRemoved":
+            ev = dict(zip(["block_hashes", "medium"], e[1:]))
+        else:
+            assert kind == "AllBlocksCleared" and len(e) == 1, e
+            ev = {}
+        ev["type"] = kind
+        out.append(ev)
+    assert isinstance(ts, float) and isinstance(dp_rank, int)
+    return ts, out, dp_rank
+
+
+class CacheModel:
+    """The engine's cache as the events describe it."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.live = {"GPU": set(), "CPU": set()}
+        self.blocks: dict[int, tuple[int | None, list[int], list | None]] = {}   # hash -> (parent, tokens, extra)
+        self.stored = self.removed = 0
+        self.cleared = 0
+
+    def apply(self, ev: dict) -> None:
+        if ev["type"] == "BlockStored":
+            hashes, bs = ev["block_hashes"], self.block_size
+            assert ev["block_size"] == bs and ev["lora_id"] is None and ev["lora_name"] is None
+            assert len(ev["token_ids"]) == len(hashes) * bs
+            extra = ev["extra_keys"] or [None] * len(hashes)
+            assert len(extra) == len(hashes)
+            parent = ev["parent_block_hash"]
+            for j, h in enumerate(hashes):
+                assert isinstance(h, int) and 0 <= h < 1 << 64
+                assert h not in self.live[ev["medium"]], "stored twice without a removal"
+                if parent is not None:
+                    assert parent in self.blocks, "a parent never stored"
+                self.live[ev["medium"]].add(h)
+                self.blocks.setdefault(h, (parent, ev["token_ids"][j * bs:(j + 1) * bs], extra[j]))
+                assert self.blocks[h][:2] == (parent, ev["token_ids"][j * bs:(j + 1) * bs])
+                parent = h
+            self.stored += len(hashes)
+        elif ev["type"] == "BlockRemoved":
+            for h in ev["block_hashes"]:
+                assert h in self.live[ev["medium"]], "removed a block that is not cached"
+                self.live[ev["medium"]].remove(h)
+            self.removed += len(ev["block_hashes"]) if ev["medium"] == "GPU" else 0
+        else:
+            self.live["GPU"].clear()
+            self.live["CPU"].clear()
+            self.cleared += 1
+
+    def sequence(self, h: int) -> tuple[list[int], list]:
+        """The tokens from the start of h's sequence through h, and its first block's extra keys."""
+        chain = []
+        while h is not None:
+            chain.append(h)
+            h = self.blocks[h][0]
+        chain.reverse()
+        return [t for c in chain for t in self.blocks[c][1]], self.blocks[chain[0]][2]
+
+
+def engine_hashes(engine) -> set[int]:
+    """The engine's cached keys in the documented int form (the sha256 key's last 8 bytes, big-endian)."""
+    return {int.from_bytes(key[-8:], "big") for key in engine.kv.pool.cached}
+
+
+def check_tokens(model: CacheModel, sequences: list[list[int]]) -> None:
+    """Every block ever stored holds block-aligned tokens of some request, after its own prefix."""
+    for h in model.blocks:
+        tokens, _ = model.sequence(h)
+        assert any(seq[:len(tokens)] == tokens for seq in sequences), "a stored block's tokens match no request"
+
+
+def make_prompts(n: int, seed: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 256) for _ in range(shared)]
+    return [prefix + [rng.randrange(1, 256) for _ in range(rng.randint(10, 40))] for _ in range(n)]
+
+
+@pytest.fixture
+def ports():
+    return free_port(), free_port()
+
+
+def events_engine(make_engine, ports, **options):
+    pub, rep = ports
+    return make_engine(kv_events_endpoint=f"tcp://*:{pub}", kv_events_replay_endpoint=f"tcp://*:{rep}",
+                       kv_events_topic=TOPIC.decode(), **options)
+
+
+# ---- the tests ----------------------------------------------------------------------------------
+
+def test_events_follow_the_cache_and_replay_fills_the_gap(make_engine, ports):
+    engine = events_engine(make_engine, ports, num_kv_blocks=16, block_size=8)
+    early = subscribe(ports[0])
+    try:
+        # A round trip through the replay socket: the publisher's thread is up and serving.
+        assert replay(ports[1], 0) == []
+        sequences = []
+        first = make_prompts(6, seed=1, shared=17)   # a shared prefix: hits, and blocks stored once
+        for out in run_all(engine, first, GREEDY):
+            sequences.append(out.prompt_token_ids + list(out.outputs[0].token_ids))
+        late = subscribe(ports[0])
+        second = make_prompts(6, seed=2)
+        for out in run_all(engine, second, GREEDY):
+            sequences.append(out.prompt_token_ids + list(out.outputs[0].token_ids))
+        cached = engine_hashes(engine)
+        stats = engine.kv.prefix_cache_stats
+        # Then a cache reset with no request running: the last batch, one AllBlocksCleared.
+        assert engine.kv.reset_prefix_cache()
+        engine.step()
+        assert engine.kv_events.wait_sent()
+
+        everything = replay(ports[1], 0)
+        seqs = [s for s, _ in everything]
+        assert seqs == list(range(len(seqs))) and seqs, "replay from 0: every batch, numbered 0, 1, 2, ..."
+        last = seqs[-1]
+        live = receive_until(early, last)
+        live_seqs = [s for s, _ in live]
+        assert live_seqs == list(range(live_seqs[0], last + 1)), "live batches are consecutive"
+        assert all(everything[s][1] == p for s, p in live), "live and replayed batches are the same bytes"
+        late_live = receive_until(late, last)
+        k = late_live[0][0]
+        assert k > 0 and [s for s, _ in late_live] == list(range(k, last + 1))
+        missed = replay(ports[1], 0)[:k]   # what the late subscriber asks for: exactly what it missed
+        assert [s for s, _ in missed] == list(range(k)) and missed == everything[:k]
+        assert replay(ports[1], k) == everything[k:]
+
+        model = CacheModel(block_size=8)
+        for _, payload in everything[:-1]:
+            ts, events, dp_rank = decode(payload)
+            assert dp_rank == 0 and events
+            for ev in events:
+                assert ev["type"] != "BlockStored" or ev["medium"] == "GPU"
+                model.apply(ev)
+        check_tokens(model, sequences)
+        assert model.live["GPU"] == cached, "the events rebuild the engine's prefix cache"
+        assert stats.evictions > 0 and model.removed == stats.evictions + stats.mismatches
+        assert stats.prefix_hits > 0   # the shared prefix was reused, not stored again
+        assert [e["type"] for e in decode(everything[-1][1])[1]] == ["AllBlocksCleared"]
+        assert engine_hashes(engine) == set()
+    finally:
+        early.close(0)
+        engine.close()
+
+
+def test_cache_salt_is_in_the_first_blocks_extra_keys(make_engine, ports):
+    engine = events_engine(make_engine, ports, num_kv_blocks=64, block_size=8)
+    try:
+        prompt = make_prompts(1, seed=3)[0] + list(range(1, 30))
+        run_all(engine, [{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], GREEDY)
+        run_all(engine, [prompt], GREEDY)
+        assert engine.kv_events.wait_sent()
+        model = CacheModel(block_size=8)
+        stored = []
+        for _, payload in replay(ports[1], 0):
+            for ev in decode(payload)[1]:
+                model.apply(ev)
+                stored += [ev] if ev["type"] == "BlockStored" else []
+        salted = [ev for ev in stored if ev["extra_keys"] is not None]
+        assert len(salted) == 1 and salted[0]["parent_block_hash"] is None
+        assert salted[0]["extra_keys"][0] == ["tenant-a"] and all(k is None for k in salted[0]["extra_keys"][1:])
+        # Every block of the salted sequence chains back to that first block; the unsalted run's
+        # blocks (same tokens) have other hashes and no extra keys.
+        chains = {}
+        for h in model.live["GPU"]:
+            tokens, extra = model.sequence(h)
+            chains.setdefault(extra is not None, []).append(tokens)
+        assert sorted(map(len, chains[True])) == sorted(map(len, chains[False]))
+        assert model.live["GPU"] == engine_hashes(engine)
+    finally:
+        engine.close()
+
+
+def test_swap_moves_blocks_to_medium_cpu_and_back(make_engine, ports):
+    # 24 blocks of 8 tokens cannot hold 10 requests of up to 150 tokens: swap preemption. After
+    # every step, the events so far rebuild the engine's cache exactly.
+    engine = events_engine(make_engine, ports, num_kv_blocks=24, block_size=8, preemption_mode="swap",
+                           admission_policy="optimistic", min_resident_steps=1)
+    try:
+        rng = random.Random(1)
+        prefix = [rng.randrange(1, 256) for _ in range(20)]
+        prompts = [(prefix if i % 2 else []) + [rng.randrange(1, 256) for _ in range(rng.randint(3, 90))]
+                   for i in range(10)]
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+               for p in prompts]
+        model, on_host, next_seq, outs = CacheModel(block_size=8), 0, 0, {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+            assert engine.kv_events.wait_sent()
+            for seq, payload in replay(ports[1], next_seq):
+                assert seq == next_seq
+                next_seq += 1
+                for ev in decode(payload)[1]:
+                    if ev["type"] == "BlockStored" and ev["medium"] == "CPU":
+                        on_host += len(ev["block_hashes"])
+                        assert all(h in model.blocks for h in ev["block_hashes"]), "cached on the device first"
+                    model.apply(ev)
+            assert model.live["GPU"] == engine_hashes(engine)
+        assert engine.stats().num_swaps_out > 0
+        assert on_host > 0 and model.live["CPU"] == set(), "every host copy is reported gone after swap-in"
+        check_tokens(model, [outs[i].prompt_token_ids + list(outs[i].outputs[0].token_ids) for i in ids])
+    finally:
+        engine.close()
+
+
+def test_off_by_default_and_no_work(make_engine):
+    engine = make_engine()
+    assert engine.kv_events is None and engine.kv.events is None and engine.kv.pool.on_remove is None
+    run_all(engine, make_prompts(2, seed=4), GREEDY)
+    assert engine.kv.host_keys == {}
+
+
+def test_data_parallel_replicas_get_their_own_ports():
+    from conveyor.kv.events import offset_endpoint
+
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("tcp://indexer.svc:5557", 1) == "tcp://indexer.svc:5558"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert offset_endpoint(None, 3) is None
+
+
+@pytest.mark.slow
+def test_process_engine_replica_publishes_on_its_own_port(ports):
+    """The demo model in an engine process, as data-parallel replica 1: its events leave the child
+    on the base ports + 1, with dp_rank 1."""
+    import asyncio
+
+    from conveyor.config import EngineConfig
+    from conveyor.engine.process_engine import ProcessEngine
+
+    base_pub, base_rep = ports[0] - 1, ports[1] - 1   # replica 1 binds base + 1: the free ports
+    config = EngineConfig.from_options(dtype="float32", num_kv_blocks=64, cost_model="none", data_parallel_rank=1,
+                                       kv_events_endpoint=f"tcp://*:{base_pub}",
+                                       kv_events_replay_endpoint=f"tcp://*:{base_rep}", kv_events_topic=TOPIC.decode())
+    engine = ProcessEngine(config)
+    try:
+        async def main():
+            stream = engine.add_request("The quick brown fox jumps over the lazy dog. " * 4, GREEDY, "a")
+            return [out async for out in stream][-1]
+
+        out = asyncio.run(main())
+        sequence = out.prompt_token_ids + list(out.outputs[0].token_ids)
+        full = (len(sequence) - 1) // 16   # the last token's KV is never computed
+        model, batches = CacheModel(block_size=16), []
+        for _ in range(400):   # the child sends after its step: wait for every block (at most ~20 s)
+            batches = replay(ports[1], 0)
+            if sum(len(e.get("block_hashes", ())) for _, p in batches for e in decode(p)[1]) >= full:
+                break
+            time.sleep(0.05)
+        for _, payload in batches:
+            _, events, dp_rank = decode(payload)
+            assert dp_rank == 1
+            for ev in events:
+                model.apply(ev)
+        assert len(model.live["GPU"]) == full > 0
+        check_tokens(model, [sequence])
+    finally:
+        engine.close(timeout=5)
