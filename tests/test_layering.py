@@ -32,6 +32,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "config_fields": (),
     "paths": (),
     "tokenizer": (),
+    "routing": (),
     "sampling": ("errors",),
     "request": ("sampling",),
     "kv": ("request",),
@@ -41,15 +42,17 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "runner": ("model", "sampling", "scheduler"),
     "parallel": ("model", "runner"),
     "engine.core": ("request", "scheduler"),
-    "engine": ("config", "engine.core", "errors", "kv", "model", "parallel", "paths", "request", "runner", "sampling",
-               "scheduler", "tokenizer"),
-    "sim": ("config", "engine.core", "kv", "paths", "request", "runner", "sampling", "scheduler"),   # runner/state.py
+    "engine": ("config", "engine.core", "errors", "kv", "model", "parallel", "paths", "request", "routing", "runner",
+               "sampling", "scheduler", "tokenizer"),
+    "sim": ("config", "engine.core", "kv", "paths", "request", "routing", "runner", "sampling",
+            "scheduler"),   # runner/state.py
     "plot": ("engine.core",),
     "profile": ("engine", "model", "sampling", "scheduler"),
     "server": ("config", "engine", "engine.core", "errors", "parallel", "request", "sampling", "scheduler",
                "tokenizer"),
+    "ray": ("config", "engine", "engine.core", "model", "routing", "sampling", "scheduler", "server"),
     "bench": (),
-    "cli": ("bench", "config", "engine", "paths", "plot", "profile", "sampling", "server", "sim"),
+    "cli": ("bench", "config", "engine", "paths", "plot", "profile", "ray", "sampling", "server", "sim"),
     "__main__": ("cli",),
     "conveyor": ("config", "engine", "sampling", "scheduler"),   # the package's lazy top-level names
 }.items()}

@@ -1,14 +1,17 @@
 """Data parallelism: N engine replicas (processes, each with its own KV cache) behind one server.
 
 ``DataParallelEngine`` is an ``EngineClient`` like the single-engine ones: the HTTP layer does not
-know it talks to several engines. Each request goes to one replica, chosen by a ``Router``:
+know it talks to several engines. Each request goes to one replica, chosen by a ``Router``: the
+policy of ``conveyor/routing.py`` (shared with the simulator), with this engine's error when every
+replica is down:
 
 - ``round-robin``: the next live replica in turn;
 - ``least-load``: the live replica with the fewest unfinished requests (KV usage breaks ties);
-- ``prefix`` (default): the replica that last served the longest matching prompt prefix (hashes of
-  the first 1..``prefix_blocks`` KV blocks of token ids, so requests sharing a system prompt or a
-  few-shot preamble meet their cached blocks), unless it has ``balance_slack`` more unfinished
-  requests than the least loaded live replica — then least-load, and the prefix moves there.
+- ``prefix`` (default): the replica that last served the longest matching prompt prefix (the KV
+  cache's keys of the first 1..``prefix_blocks`` blocks, the cache salt included, so requests
+  sharing a system prompt or a few-shot preamble meet their cached blocks), unless it has
+  ``balance_slack`` more unfinished requests than the least loaded live replica — then
+  least-load, and the prefix moves there.
 
 A replica whose process dies fails its own in-flight requests with a clear error (not retried:
 a partly streamed answer cannot be replayed invisibly); the router stops sending it requests,
@@ -22,74 +25,33 @@ import logging
 import math
 import os
 import threading
-from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
+from conveyor import routing
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
+from conveyor.routing import POLICIES, NoReplicaError, replica_load
 from conveyor.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = ("prefix", "least-load", "round-robin")
+ROUTERS = POLICIES
 
 
-class Router:
-    """Picks a replica for a prompt from the replicas' current loads (None = the replica is down)."""
+class Router(routing.Router):
+    """The shared routing policy (conveyor/routing.py); EngineDeadError when every replica is down."""
 
-    def __init__(self, policy: str = "prefix", block_size: int = 16, prefix_blocks: int = 4,
-                 balance_slack: int = 8, max_prefixes: int = 100_000):
-        if policy not in ROUTERS:
-            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {policy!r}")
-        self.policy = policy
-        self.block_size = block_size
-        self.prefix_blocks = prefix_blocks
-        self.balance_slack = balance_slack
-        self.max_prefixes = max_prefixes
-        self._next = 0
-        self._owner: OrderedDict[int, int] = OrderedDict()   # prefix hash -> replica (LRU)
-        self.prefix_routed = 0    # requests sent where their prefix was seen before
-
-    def choose(self, token_ids: list[int], loads: list[float | None]) -> int:
-        live = [i for i, load in enumerate(loads) if load is not None]
-        if not live:
-            raise EngineDeadError("every engine replica is down")
-        if self.policy == "round-robin":
-            n = len(loads)
-            for k in range(n):
-                i = (self._next + k) % n
-                if loads[i] is not None:
-                    self._next = i + 1
-                    return i
-        least = min(live, key=lambda i: (loads[i], i))
-        if self.policy == "least-load":
-            return least
-        keys = self._prefix_keys(token_ids)
-        choice = least
-        for key in reversed(keys):   # the longest prefix seen before wins
-            owner = self._owner.get(key)
-            if owner is not None and loads[owner] is not None:
-                if loads[owner] - loads[least] <= self.balance_slack:
-                    choice = owner
-                    self.prefix_routed += 1
-                break
-        for key in keys:
-            self._owner[key] = choice
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.max_prefixes:
-            self._owner.popitem(last=False)
-        return choice
-
-    def _prefix_keys(self, token_ids: list[int]) -> list[int]:
-        """Hashes of the first 1..prefix_blocks full blocks (none for a prompt under one block)."""
-        b = self.block_size
-        full = min(self.prefix_blocks, len(token_ids) // b)
-        return [hash(tuple(token_ids[:k * b])) for k in range(1, full + 1)]
+    def choose(self, token_ids: Sequence[int], loads: Sequence[float | None], cache_salt: str | None = None) -> int:
+        try:
+            return super().choose(token_ids, loads, cache_salt)
+        except NoReplicaError as e:
+            raise EngineDeadError(str(e)) from None
 
 
 class DataParallelEngine:
@@ -105,7 +67,8 @@ class DataParallelEngine:
         config = replace(config, torch_threads=threads)
         per_replica_waiting = None if max_waiting is None else max(1, math.ceil(max_waiting / replicas))
         with ThreadPoolExecutor(replicas) as pool:   # replicas load their models at the same time
-            futures = [pool.submit(ProcessEngine, config, per_replica_waiting) for _ in range(replicas)]
+            futures = [pool.submit(ProcessEngine, replace(config, data_parallel_rank=i), per_replica_waiting)
+                       for i in range(replicas)]   # the rank: each replica's own KV-event ports
             errors = [f.exception() for f in futures]
         started = [f.result() for f, e in zip(futures, errors) if e is None]
         if any(errors):
@@ -134,7 +97,7 @@ class DataParallelEngine:
             if request_id in self._owner:
                 raise ValueError(f"duplicate request id {request_id!r}")
             loads = self.loads()
-            order = [self.router.choose(ids, loads)]
+            order = [self.router.choose(ids, loads, _cache_salt(prompt))]
             order += sorted((i for i, load in enumerate(loads) if load is not None and i != order[0]),
                             key=lambda i: loads[i])
             last: Exception | None = None
@@ -173,7 +136,7 @@ class DataParallelEngine:
         """Per replica: unfinished requests (+ KV usage as a tie-break), or None when it is down."""
         out: list[float | None] = []
         for ok, s in zip(self.replica_health(), self.replica_stats()):
-            out.append(s.num_unfinished_requests + 0.5 * s.kv_usage if ok else None)
+            out.append(replica_load(s.num_unfinished_requests, s.kv_usage) if ok else None)
         return out
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
@@ -217,3 +180,8 @@ class DataParallelEngine:
             return self.tokenizer.encode(prompt)
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
+
+def _cache_salt(prompt: str | list[int] | dict) -> str | None:
+    """A dict prompt's cache salt for routing (an invalid one: None here; the replica rejects the request)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    return salt if isinstance(salt, str) and salt else None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from conveyor.config import EngineConfig, add_engine_args, config_from_args, option_names
 from conveyor.paths import profile_path
+from conveyor.routing import ALIASES, POLICIES
 from conveyor.scheduler.costs import CostModel, StepCostModel
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
 from conveyor.sim.simulator import SimResult, simulate
@@ -184,6 +185,7 @@ COLUMNS = (("output tok/s", "output_tok_s", 1, "{:.1f}"), ("req/s", "req_s", 1, 
            ("TTFT p50", "p50_ttft_s", 1e3, "{:.0f} ms"), ("TTFT p99", "p99_ttft_s", 1e3, "{:.0f} ms"),
            ("TPOT p50", "p50_tpot_s", 1e3, "{:.1f} ms"), ("TPOT p99", "p99_tpot_s", 1e3, "{:.1f} ms"),
            ("E2E p50", "p50_e2e_s", 1, "{:.2f} s"), ("preempt", "num_preemptions", 1, "{:.0f}"),
+           ("prefix hit", "prefix_cache_hit_rate", 100, "{:.0f}%"),
            ("KV mean/peak", None, 1, ""), ("goodput", "goodput_req_s", 1, "{:.2f}"))
 
 
@@ -305,7 +307,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("runs")
     r.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
-    r.add_argument("--router", default="least-loaded", choices=("least-loaded", "round-robin"))
+    r.add_argument("--router", default="least-load", choices=(*POLICIES, *ALIASES),
+                   help="the data-parallel server's routing policy (conveyor/routing.py); prefix routing "
+                        "pays with prefix caching on (the default) and shared prefixes (--prefix-groups); "
+                        "least-loaded: an alias of least-load")
     r.add_argument("--slo", help="e.g. ttft_p99=2s,tpot_p50=100ms (goodput counts requests within the bounds)")
     r.add_argument("--sweep", help="NAME=V1,V2,...: one run per value of an engine option, or of rate, "
                                    "num_requests, replicas, tensor_parallel, arrival, prompt_len, output_len")

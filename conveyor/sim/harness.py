@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from conveyor.engine.core import EngineCore
 from conveyor.engine.trace import StepTracer
 from conveyor.request import Request
+from conveyor.routing import Router, replica_load
 from conveyor.runner.state import RunnerState
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
@@ -105,18 +106,22 @@ def make_request(index: int, spec: SimRequest, arrival: float, seed: int = 0,
                    arrival_time=arrival)
 
 
-def least_loaded(replicas: list[Replica], index: int) -> int:
-    return min(range(len(replicas)), key=lambda i: (len(replicas[i].core.scheduler.requests), i))
+def replica_loads(replicas: list[Replica]) -> list[float | None]:
+    """Each replica's load as the data-parallel engine measures it (DataParallelEngine.loads():
+    unfinished requests + KV usage as a tie-break); a simulated replica is never down."""
+    return [replica_load(len(r.core.scheduler.requests), r.core.scheduler.kv.usage) for r in replicas]
 
 
-def round_robin(replicas: list[Replica], index: int) -> int:
-    return index % len(replicas)
+def make_router(router: str | Router, replicas: list[Replica]) -> Router:
+    """A policy name ("prefix", "least-load" or its alias "least-loaded", "round-robin") as the
+    server builds it (the replicas' block size, the default prefix depth and balance slack); a
+    Router is used as given."""
+    if isinstance(router, Router):
+        return router
+    return Router(router, replicas[0].core.scheduler.kv.block_size)
 
 
-ROUTERS = {"least-loaded": least_loaded, "round-robin": round_robin}
-
-
-def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str = "least-loaded", seed: int = 0,
+def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | Router = "least-load", seed: int = 0,
           timeline: list[float] | None = None, max_steps: int = 50_000_000,
           token_range: tuple[int, int] = TOKEN_RANGE) -> list[RequestRecord]:
     """Run the workload to completion; returns one record per request (in workload order).
@@ -125,9 +130,10 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str = 
     furthest behind, if it is behind the next arrival, or hands the next arrival to the router's
     replica (an idle replica first waits for it). With one replica this is: add every request
     that has arrived, then step. `timeline` receives the clock reads of replica 0 (one replica:
-    enough to replay the run's exact timing, see conveyor/sim/replay.py).
+    enough to replay the run's exact timing, see conveyor/sim/replay.py). The router is the
+    server's policy (conveyor/routing.py), fed the prompt's token ids and the replicas' loads.
     """
-    choose = ROUTERS[router]
+    policy = make_router(router, replicas)
     t0 = replicas[0].clock()
     if timeline is not None:
         timeline.append(t0)
@@ -149,17 +155,19 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str = 
                 raise RuntimeError(f"the run did not finish in {max_steps} steps")
             continue
         index = pending[0]
-        target = choose(replicas, index)
+        spec = workload[index]
+        request = make_request(index, spec, records[index].arrival, seed, token_range)
+        target = 0 if len(replicas) == 1 else policy.choose(request.prompt_token_ids, replica_loads(replicas),
+                                                            request.cache_salt)
         replica = replicas[target]
         if not replica.core.has_unfinished() and nows[target] < nxt:
             replica.wait_until(nxt)
             if len(replicas) == 1:
                 continue   # read the clock again before adding
         pending.popleft()
-        spec = workload[index]
         records[index].replica = target
         replica.oracle.lengths[str(index)] = spec.output_len
-        replica.core.add_request(make_request(index, spec, records[index].arrival, seed, token_range))
+        replica.core.add_request(request)
     return records
 
 

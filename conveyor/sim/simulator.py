@@ -19,6 +19,7 @@ from conveyor.engine.core import EngineCore
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
+from conveyor.routing import Router
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.costs import CostModel, StepCostModel, preemption_costs
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
@@ -146,7 +147,8 @@ class SimResult:
         s = self.stats
         out = {"requests": len(self.records), "finished": len(self.finished), "sim_time_s": self.sim_time,
                "steps": self.steps, "output_tok_s": self.throughput,
-               "req_s": len(self.finished) / self.sim_time if self.sim_time > 0 else math.nan}
+               "req_s": len(self.finished) / self.sim_time if self.sim_time > 0 else math.nan,
+               "prefix_cache_hit_rate": self.stats.prefix_cache_hit_rate}
         for m in ("ttft", "tpot", "e2e"):
             out[f"mean_{m}_s"] = self.metric(f"{m}_mean")
             for p in (50, 90, 99):
@@ -177,10 +179,14 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
 
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,
              num_host_blocks: int = 0, cost: CostModel | None = None, *, replicas: int = 1,
-             router: str = "least-loaded", prefix_caching: bool = False, trace: bool = False,
+             router: str | Router = "least-load", prefix_caching: bool = False, trace: bool = False,
              seed: int = 0, max_steps: int = 50_000_000) -> SimResult:
     """Run the workload through `replicas` simulated engines (each with its own KV cache of
-    num_blocks blocks) behind a router; returns per-request records, stats and optional traces."""
+    num_blocks blocks) behind a router; returns per-request records, stats and optional traces.
+
+    `router`: the data-parallel server's policy (conveyor/routing.py) by name — "prefix",
+    "least-load" (alias "least-loaded"), "round-robin" — or a Router. The prefix policy only pays
+    with `prefix_caching` on (the CLI's default, as the engine's)."""
     cost = cost or StepCostModel()
     reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace)
             for _ in range(replicas)]

@@ -1,0 +1,149 @@
+"""The router policy: which engine replica gets a request. One policy for every router.
+
+The data-parallel server (``engine/data_parallel.py``), the simulator (``sim/harness.py``) and
+a request router in front of separate engines (e.g. Ray's) all decide with ``Router.choose``:
+the prompt's token ids (and its cache salt), the replicas' current loads, and the router's own
+record of which replica holds which prefix. No I/O, no clock, no randomness, standard library
+only: it sits at the bottom of the layers, so anything may import it.
+
+Policies:
+
+- ``round-robin``: the next live replica in turn;
+- ``least-load``: the live replica with the lowest load (``replica_load``: unfinished requests,
+  KV usage breaking ties; the lower index on a tie);
+- ``prefix``: the replica that last served the longest matching prompt prefix (the first
+  1..``prefix_blocks`` full KV blocks), unless its load exceeds the least loaded live replica's
+  by more than ``balance_slack`` — then least-load, and the prefix moves there. A prompt shorter
+  than one block goes by load.
+
+A load of ``None`` means the replica is down: no policy picks it.
+
+Prefix keys are the KV cache's own block keys (``kv/manager.py``): block i's key is
+sha256(key of block i-1, or 32 zero bytes || u32 length of the extra keys || the extra keys ||
+the block's token ids as little-endian int32), the cache salt the first block's only extra key.
+So they are stable across processes and machines (no Python ``hash()``), two requests with
+different salts never share a key (and so are never routed by each other's prefixes), and a
+router that learns from KV cache events (``kv/events.py``) sees the same keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+POLICIES = ("prefix", "least-load", "round-robin")
+ALIASES = {"least-loaded": "least-load"}   # the simulator's older name
+ROOT_KEY = bytes(32)
+
+
+class NoReplicaError(RuntimeError):
+    """Every replica is down (the data-parallel engine raises its EngineDeadError instead)."""
+
+
+def policy_name(name: str) -> str:
+    """The policy's canonical name (aliases resolved); ValueError for an unknown one."""
+    policy = ALIASES.get(name, name)
+    if policy not in POLICIES:
+        raise ValueError(f"router must be one of {', '.join(POLICIES)}, got {name!r}")
+    return policy
+
+
+def replica_load(num_unfinished_requests: int, kv_usage: float) -> float:
+    """A replica's load as every router measures it: its unfinished requests, plus half its KV
+    usage (0..1) to break ties between replicas with as many requests."""
+    return num_unfinished_requests + 0.5 * kv_usage
+
+
+def salt_extra_keys(cache_salt: str | None) -> bytes:
+    """The first block's extra keys for a cache salt, as the KV cache writes them (kv/manager.py)."""
+    if cache_salt is None:
+        return b""
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    return b"s" + len(salt).to_bytes(4, "little") + salt
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
+                cache_salt: str | None = None) -> list[bytes]:
+    """The KV-cache keys of the prompt's first 1..max_blocks full blocks (none under one block)."""
+    full = min(max_blocks, len(token_ids) // block_size)
+    keys: list[bytes] = []
+    parent, extra = ROOT_KEY, salt_extra_keys(cache_salt)
+    for i in range(full):
+        ids = array("i", token_ids[i * block_size:(i + 1) * block_size])
+        if sys.byteorder == "big":
+            ids.byteswap()
+        parent = hashlib.sha256(parent + struct.pack("<I", len(extra)) + extra + ids.tobytes()).digest()
+        keys.append(parent)
+        extra = b""
+    return keys
+
+
+class Router:
+    """Picks a replica for a prompt from the replicas' current loads (None = the replica is down).
+
+    State: the round-robin position and, for ``prefix``, an LRU map from prefix key to the
+    replica that last served it (at most ``max_prefixes`` keys). One instance per set of replicas.
+    """
+
+    def __init__(self, policy: str = "prefix", block_size: int = 16, prefix_blocks: int = 4,
+                 balance_slack: float = 8, max_prefixes: int = 100_000):
+        self.policy = policy_name(policy)
+        self.block_size = block_size
+        self.prefix_blocks = prefix_blocks
+        self.balance_slack = balance_slack
+        self.max_prefixes = max_prefixes
+        self._next = 0
+        self._owner: OrderedDict[bytes, int] = OrderedDict()   # prefix key -> replica (LRU)
+        self.prefix_routed = 0    # requests sent where their prefix was seen before
+
+    def choose(self, token_ids: Sequence[int], loads: Sequence[float | None],
+               cache_salt: str | None = None) -> int:
+        """The replica (an index into `loads`) for this prompt; records its prefix there.
+        Raises NoReplicaError when every load is None."""
+        live = [i for i, load in enumerate(loads) if load is not None]
+        if not live:
+            raise NoReplicaError("every engine replica is down")
+        if self.policy == "round-robin":
+            n = len(loads)
+            for k in range(n):
+                i = (self._next + k) % n
+                if loads[i] is not None:
+                    self._next = i + 1
+                    return i
+        least = min(live, key=lambda i: (loads[i], i))
+        if self.policy == "least-load":
+            return least
+        keys = prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)
+        choice = least
+        for key in reversed(keys):   # the longest prefix seen before wins
+            owner = self._owner.get(key)
+            if owner is not None and owner < len(loads) and loads[owner] is not None:
+                if loads[owner] - loads[least] <= self.balance_slack:
+                    choice = owner
+                    self.prefix_routed += 1
+                break
+        for key in keys:
+            self._owner[key] = choice
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.max_prefixes:
+            self._owner.popitem(last=False)
+        return choice
+
+    def owner(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
+        """The replica recorded for the prompt's longest known prefix (None: none known). Read only."""
+        for key in reversed(prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)):
+            if key in self._owner:
+                return self._owner[key]
+        return None
+
+    def forget_replica(self, replica: int) -> None:
+        """Drop every prefix recorded for a replica (it was removed, or restarted with an empty cache)."""
+        for key in [k for k, r in self._owner.items() if r == replica]:
+            del self._owner[key]
+
+
+__all__ = ["ALIASES", "POLICIES", "NoReplicaError", "Router", "policy_name", "prefix_keys", "replica_load"]

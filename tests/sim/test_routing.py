@@ -1,0 +1,214 @@
+"""One router policy (conveyor/routing.py) for the data-parallel server and the simulator.
+
+The server's Router and the simulator's route the same prompts under the same loads to the same
+replicas, measuring load alike; cache salts keep prefixes apart; a down replica is never chosen;
+in the simulator, prefix routing over two replicas raises the prefix-cache hit rate of a
+shared-prefix workload above round-robin's. No model: the data-parallel engine's replicas are
+stand-ins that report stats, the simulator's are the real scheduler and KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from conveyor.cli import main
+from conveyor.engine.core import EngineDeadError
+from conveyor.engine.data_parallel import DataParallelEngine
+from conveyor.engine.data_parallel import Router as ServerRouter
+from conveyor.engine.stats import EngineStats
+from conveyor.kv.manager import block_content, chain_hash, extra_keys
+from conveyor.request import Request
+from conveyor.routing import NoReplicaError, Router, policy_name, prefix_keys, replica_load
+from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.config import SchedulerConfig
+from conveyor.scheduler.costs import StepCostModel
+from conveyor.sim.harness import drive, replica_loads
+from conveyor.sim.simulator import make_replica, simulate
+from conveyor.sim.workload import WorkloadSpec
+
+PREFIXED = WorkloadSpec(num_requests=240, rate=6.0, prompt_len="160:260", output_len="8:40", prefix_groups=12,
+                        prefix_len=128, seed=7)
+CFG = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)
+
+
+def test_prefix_keys_are_the_kv_caches_block_keys():
+    ids = list(range(1000, 1000 + 50))
+    for salt in (None, "tenant-a", "ünï"):
+        req = Request("r", ids, SamplingParams(), cache_salt=salt)
+        parent, want = None, []
+        for i in range(3):   # 50 tokens: three full blocks of 16
+            parent = chain_hash(parent, block_content(ids[i * 16:(i + 1) * 16], extra_keys(req) if i == 0 else b""))
+            want.append(parent)
+        assert prefix_keys(ids, 16, 8, salt) == want
+        assert prefix_keys(ids, 16, 2, salt) == want[:2]
+    assert prefix_keys(ids[:15], 16, 4) == []
+    assert prefix_keys(ids, 16, 4, "a") != prefix_keys(ids, 16, 4, "b") != prefix_keys(ids, 16, 4)
+
+
+def test_policy_names():
+    assert [policy_name(p) for p in ("prefix", "least-load", "least-loaded", "round-robin")] == \
+        ["prefix", "least-load", "least-load", "round-robin"]
+    with pytest.raises(ValueError):
+        Router("random")
+    with pytest.raises(NoReplicaError):
+        Router("prefix").choose([1] * 64, [None, None])
+    with pytest.raises(EngineDeadError):   # the server's Router keeps its engine's error
+        ServerRouter("prefix").choose([1] * 64, [None, None])
+
+
+class Recording(Router):
+    """The simulator's router, recording each decision: (token ids, loads, salt) -> replica."""
+
+    def __init__(self, *args, replicas=None, **kw):
+        super().__init__(*args, **kw)
+        self.calls: list[tuple[list[int], list[float | None], str | None, int]] = []
+        self.replicas = replicas
+        self.load_checks = 0
+
+    def choose(self, token_ids, loads, cache_salt=None):
+        if self.replicas is not None:   # the loads are the data-parallel engine's measure of these replicas
+            assert list(loads) == server_loads(self.replicas)
+            self.load_checks += 1
+        choice = super().choose(token_ids, loads, cache_salt)
+        self.calls.append((list(token_ids), list(loads), cache_salt, choice))
+        return choice
+
+
+class SimReplicaClient:
+    """A simulated replica as the data-parallel engine sees a ProcessEngine: health and stats
+    (unfinished requests: the ones the client has added and not seen finish)."""
+
+    def __init__(self, core, healthy: bool = True):
+        self.core, self.is_healthy, self.dead_reason = core, healthy, None
+
+    def stats(self) -> EngineStats:
+        return self.core.engine_stats().replace(num_unfinished_requests=len(self.core.scheduler.requests))
+
+
+def stub_engine(replicas, router: ServerRouter | None = None) -> DataParallelEngine:
+    """A DataParallelEngine over stand-in replicas (its routing and load code, no processes)."""
+    engine = object.__new__(DataParallelEngine)
+    engine.replicas, engine.router = replicas, router or ServerRouter("prefix", 16)
+    engine._lock, engine._owner, engine._reported_down = threading.Lock(), {}, set()
+    return engine
+
+
+def server_loads(sim_replicas) -> list[float | None]:
+    return stub_engine([SimReplicaClient(r.core) for r in sim_replicas]).loads()
+
+
+def test_the_server_and_the_simulator_route_the_same_prompts_to_the_same_replicas():
+    reps = [make_replica(CFG, 200, 16, 0, StepCostModel(), True, False) for _ in range(2)]
+    rec = Recording("prefix", 16, balance_slack=2, replicas=reps)
+    records = drive(reps, PREFIXED.generate(), router=rec)
+    assert rec.load_checks == len(records) and [c[3] for c in rec.calls] == \
+        [r.replica for r in sorted(records, key=lambda r: r.arrival)]
+    loads = [c[1] for c in rec.calls]
+    assert any(a != b for a, b in loads) and any(a % 1 for a, _ in loads)   # loads varied, KV usage in them
+    server = ServerRouter("prefix", 16, balance_slack=2)
+    assert [server.choose(ids, ld, salt) for ids, ld, salt, _ in rec.calls] == [c[3] for c in rec.calls]
+    assert 0 < server.prefix_routed == rec.prefix_routed < len(records)
+    # least-load and round-robin alike
+    for policy in ("least-load", "round-robin"):
+        reps = [make_replica(CFG, 200, 16, 0, StepCostModel(), True, False) for _ in range(2)]
+        rec = Recording(policy, 16)
+        drive(reps, PREFIXED.generate(), router=rec)
+        server = ServerRouter(policy, 16)
+        assert [server.choose(ids, ld, salt) for ids, ld, salt, _ in rec.calls] == [c[3] for c in rec.calls]
+
+
+class StubReplica:
+    """Stands in for a ProcessEngine: counts its unfinished requests, records what it was sent."""
+
+    def __init__(self, healthy: bool = True):
+        self.is_healthy, self.dead_reason, self.got = healthy, None, []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_unfinished_requests=len(self.got), kv_usage=0.0)
+
+    def add_request(self, prompt, params, request_id, priority=0, validated=False):
+        self.got.append(request_id)
+        return object()
+
+    def add_finished_listener(self, listener) -> None:
+        pass
+
+
+def test_cache_salt_keeps_prefixes_apart():
+    shared = list(range(100, 164))   # four blocks of 16
+    r = Router("prefix", 16, balance_slack=2)
+    first = r.choose(shared + [1], [0, 0], "a")
+    other = 1 - first
+    busier = [1, 0] if first == 0 else [0, 1]   # the prefix's replica busier by 1: within the slack
+    assert r.choose(shared + [2], busier, "a") == first        # same salt: follows its prefix
+    assert r.choose(shared + [3], busier, "b") == other        # another salt: by load, not by "a"'s prefix
+    assert r.choose(shared + [4], busier) == other             # no salt is a salt of its own
+    assert r.owner(shared, "b") == other and r.owner(shared, "a") == first
+
+    # through the data-parallel engine: the dict prompt's cache_salt reaches the router
+    reps = [StubReplica(), StubReplica()]
+    engine = stub_engine(reps, ServerRouter("prefix", 16, balance_slack=8))
+    params = SamplingParams()
+    engine.add_request({"prompt_token_ids": shared + [1], "cache_salt": "a"}, params, "a1")
+    engine.add_request({"prompt_token_ids": shared + [2], "cache_salt": "a"}, params, "a2")
+    engine.add_request({"prompt_token_ids": shared + [3], "cache_salt": "b"}, params, "b1")
+    engine.add_request({"prompt_token_ids": shared + [4], "cache_salt": "b"}, params, "b2")
+    where = {rid: i for i, rep in enumerate(reps) for rid in rep.got}
+    assert where["a1"] == where["a2"] and where["b1"] == where["b2"] and where["a1"] != where["b1"]
+
+
+def test_a_down_replica_is_skipped():
+    shared = list(range(100, 164))
+    for policy in ("prefix", "least-load", "round-robin"):
+        r = Router(policy, 16)
+        assert {r.choose(shared, [0, None, 5]) for _ in range(6)} <= {0, 2}
+        assert r.choose(shared, [None, None, 0]) == 2
+    r = Router("prefix", 16)
+    owner = r.choose(shared, [0, 0, 0])
+    loads = [0, 0, 0]
+    loads[owner] = None   # the prefix's replica went down: the least loaded live one, and the prefix moves
+    moved = r.choose(shared, loads)
+    assert moved != owner and r.owner(shared) == moved
+
+    reps = [StubReplica(healthy=False), StubReplica(), StubReplica(healthy=False)]
+    engine = stub_engine(reps)
+    assert engine.loads() == [None, replica_load(0, 0.0), None]
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": shared + [i]}, SamplingParams(), f"r{i}")
+    assert reps[1].got == ["r0", "r1", "r2"] and not reps[0].got and not reps[2].got
+    reps[1].is_healthy = False
+    with pytest.raises(EngineDeadError):
+        engine.add_request({"prompt_token_ids": shared}, SamplingParams(), "r9")
+
+
+def test_prefix_routing_raises_the_prefix_cache_hit_rate_in_the_simulator():
+    """Twelve groups sharing 128-token prefixes over two replicas whose caches hold only part of
+    them: prefix routing keeps each group on one replica, round-robin makes both cache every group."""
+    runs = {p: simulate(PREFIXED.generate(), CFG, num_blocks=120, replicas=2, router=p, prefix_caching=True)
+            for p in ("prefix", "round-robin", "least-loaded")}
+    hit = {p: res.stats.prefix_cache_hit_rate for p, res in runs.items()}
+    assert hit["prefix"] > hit["round-robin"] + 0.1 and hit["prefix"] > hit["least-loaded"] + 0.1
+    for res in runs.values():
+        assert len(res.finished) == PREFIXED.num_requests and {r.replica for r in res.records} == {0, 1}
+    # where it could, the prefix router kept each group on one replica
+    workload = PREFIXED.generate()
+    groups: dict[int, list[int]] = {}
+    for spec, r in zip(workload, runs["prefix"].records):
+        groups.setdefault(spec.prefix_group, []).append(r.replica)
+    on_majority = sum(max(g.count(0), g.count(1)) for g in groups.values())
+    assert on_majority > 0.8 * PREFIXED.num_requests
+
+
+def test_simulate_command_routes_by_prefix(tmp_path, capsys):
+    out = {}
+    for router in ("prefix", "round-robin", "least-loaded"):
+        path = tmp_path / f"{router}.json"
+        assert main(["simulate", "--replicas", "2", "--router", router, "--num-requests", "120", "--rate", "6",
+                     "--prompt-len", "160:260", "--output-len", "8:40", "--prefix-groups", "12", "--prefix-len",
+                     "128", "--num-kv-blocks", "120", "--seed", "7", "--out", str(path)]) == 0
+        out[router] = json.loads(path.read_text())["runs"][0]["summary"]["prefix_cache_hit_rate"]
+    assert "prefix hit" in capsys.readouterr().out
+    assert out["prefix"] > out["round-robin"]
