@@ -57,8 +57,14 @@ class EngineStats:
     num_aborted: int = 0
     num_errors: int = 0
     num_queue_timeouts: int = 0
+    # requests (an n > 1 request's sequences count once): in the running batch (any of its sequences), or
+    # queued (none running, one waiting or swapped) -- vLLM's request counts (server/metrics.py)
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
     # ---- the KV cache ----
     kv_usage: float = 0.0                 # fraction of device blocks in use
+    block_size: int = 0                   # tokens per KV block
+    num_host_kv_blocks: int = 0           # host (swap) blocks
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
     prefix_cache_queries: int = 0         # prompt blocks looked up
@@ -86,7 +92,12 @@ class EngineStats:
         counters.update({f.name: getattr(core, f.name) for f in fields(core)})
         counters.update(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                         num_swapped=len(scheduler.swapped))
-        return cls(**counters, kv_usage=kv.usage, num_kv_blocks=kv.num_blocks,
+        running = _request_count(scheduler.running)
+        live = running if len(scheduler.requests) == len(scheduler.running) else \
+            _request_count(scheduler.requests.values())   # some are queued
+        return cls(**counters, num_running_requests=running, num_waiting_requests=live - running,
+                   kv_usage=kv.usage, block_size=kv.block_size, num_host_kv_blocks=kv.num_host_blocks,
+                   num_kv_blocks=kv.num_blocks,
                    num_free_kv_blocks=kv.num_free_blocks, prefix_cache_queries=pool.prefix_queries,
                    prefix_cache_hits=pool.prefix_hits, prefix_cache_evictions=pool.evictions,
                    prefix_cache_mismatches=pool.mismatches, engine_dead=dead)
@@ -117,9 +128,17 @@ class EngineStats:
             return cls()
         summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(cls) if f.name not in _NOT_SUMMED}
         return cls(**summed, kv_usage=sum(p.kv_usage for p in parts) / len(parts),
+                   block_size=max(p.block_size for p in parts),
                    last_step_time=max(p.last_step_time for p in parts),
                    consecutive_step_failures=max(p.consecutive_step_failures for p in parts),
                    engine_dead=all(p.engine_dead for p in parts))
 
 
-_NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead"})
+_NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead", "block_size"})
+
+
+def _request_count(seqs) -> int:
+    """Requests among these live sequences: an n > 1 request's siblings share their first sequence
+    (``prefill_leader``), so they count once. A request with any sequence running is running; the
+    others are queued (``live - running``)."""
+    return len({id(s.prefill_leader or s) for s in seqs})

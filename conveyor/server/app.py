@@ -45,7 +45,12 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     names = list(served_model_names or [client.model_name])
     state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser,
                         reasoning_parser)
-    client.add_finished_listener(state.metrics.observe_finished)
+    replicas = getattr(client, "replicas", None)   # data parallel: each replica's requests under its index
+    if isinstance(replicas, list) and all(hasattr(r, "add_finished_listener") for r in replicas):
+        for r, listener in zip(replicas, state.metrics.finished_listeners(len(replicas))):
+            r.add_finished_listener(listener)
+    else:
+        client.add_finished_listener(state.metrics.observe_finished)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

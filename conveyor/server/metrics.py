@@ -1,8 +1,18 @@
-"""Prometheus metrics (vLLM's names under `conveyor:`) and the periodic stats log line."""
+"""Prometheus metrics (vLLM's names under `conveyor:`, and vLLM's own `vllm:` names beside them for the
+routers and autoscalers that read those) and the periodic stats log line.
+
+The `vllm:` series follow vLLM's types and labels (``model_name``, ``engine``: the replica): what the
+Gateway API Inference Extension's endpoint picker (llm-d), vLLM production-stack's router and KEDA
+recipes read. Differences from the `conveyor:` series of the same name: ``vllm:num_requests_running``
+/ ``_waiting`` count requests (an n=4 request is one) where `conveyor:` counts sequences, a swapped
+request is waiting, and the prefix-cache counters are in tokens (whole blocks x block size) where
+`conveyor:` counts blocks. A replica that is down reports 0 for every load gauge; counters keep their
+totals."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,13 +44,20 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        replicas = [(s, up, [self.model_name, str(i)]) for i, (s, up) in enumerate(self.replicas())]
+        states = self.replicas()
+        replicas = [(s, up, [self.model_name, str(i)]) for i, (s, up) in enumerate(states)]
         labels = ["model_name", "replica"]
+        yield from self._conveyor(replicas, labels)
+        yield from vllm_families(states, self.model_name)
 
-        def gauge(name: str, doc: str, key: Callable[[EngineStats, bool], float]) -> GaugeMetricFamily:
+    @staticmethod
+    def _conveyor(replicas: list[tuple[EngineStats, bool, list[str]]], labels: list[str]) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, key: Callable[[EngineStats, bool], float],
+                  load: bool = True) -> GaugeMetricFamily:
+            """`load`: the replica's current work, 0 while it is down (its last stats are stale)."""
             g = GaugeMetricFamily(f"conveyor:{name}", doc, labels=labels)
             for s, up, m in replicas:
-                g.add_metric(m, key(s, up))
+                g.add_metric(m, key(s, up) if up or not load else 0.0)
             return g
 
         def counter(name: str, doc: str, key: Callable[[EngineStats], float]) -> CounterMetricFamily:
@@ -74,15 +91,70 @@ class EngineStatsCollector(Collector):
                       "leaked block, a stray ref count or table; logged as errors, the engine went on).",
                       lambda s: s.kv_invariant_violations)
         yield gauge("engine_dead", "1 once the engine stopped serving (repeated step failures).",
-                    lambda s, _: float(s.engine_dead))
+                    lambda s, _: float(s.engine_dead), load=False)
         yield gauge("replica_up", "1 while the engine replica serves (0: stopped, died or shutting down).",
-                    lambda _, up: float(up))
+                    lambda _, up: float(up), load=False)
         pre = CounterMetricFamily("conveyor:num_preemptions", "Preemptions, by how the KV was given back.",
                                   labels=labels + ["mode"])
         for s, _, m in replicas:
             pre.add_metric(m + ["swap"], s.num_swaps_out)
             pre.add_metric(m + ["recompute"], s.num_recomputes)
         yield pre
+
+
+def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> Iterator[Metric]:
+    """vLLM's scheduler, cache and token series, one per replica (label ``engine``, as vLLM labels its
+    data-parallel engines). A replica that is down reports 0 for its gauges."""
+    labels = ["model_name", "engine"]
+    rows = [(s, up, [model_name, str(i)]) for i, (s, up) in enumerate(states)]
+
+    def gauge(name: str, doc: str, key: Callable[[EngineStats], float]) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
+        for s, up, m in rows:
+            g.add_metric(m, float(key(s)) if up else 0.0)
+        return g
+
+    def counter(name: str, doc: str, key: Callable[[EngineStats], float]) -> CounterMetricFamily:
+        c = CounterMetricFamily(f"vllm:{name}", doc, labels=labels)
+        for s, _, m in rows:
+            c.add_metric(m, float(key(s)))
+        return c
+
+    def block_tokens(blocks: int, s: EngineStats) -> float:
+        return float(blocks * s.block_size)
+
+    yield gauge("num_requests_running", "Number of requests in model execution batches (an n > 1 request "
+                "counts once).", lambda s: s.num_running_requests)
+    yield gauge("num_requests_waiting", "Number of requests waiting to be processed (queued or swapped out).",
+                lambda s: s.num_waiting_requests)
+    yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_usage)
+    yield gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED (vLLM): use "
+                "vllm:kv_cache_usage_perc.", lambda s: s.kv_usage)
+    yield gauge("gpu_prefix_cache_hit_rate", "Prefix-cache hit rate since start (hits / queries, 0..1). "
+                "DEPRECATED (vLLM): use vllm:prefix_cache_hits / vllm:prefix_cache_queries.",
+                lambda s: s.prefix_cache_hit_rate)
+    for prefix, note in (("", ""), ("gpu_", " DEPRECATED (vLLM): use vllm:prefix_cache_")):
+        yield counter(f"{prefix}prefix_cache_queries", "Prefix cache queries, in tokens (whole prompt blocks "
+                      "looked up x block size)." + (note and note + "queries."),
+                      lambda s: block_tokens(s.prefix_cache_queries, s))
+        yield counter(f"{prefix}prefix_cache_hits", "Prefix cache hits, in tokens (blocks found x block size)."
+                      + (note and note + "hits."), lambda s: block_tokens(s.prefix_cache_hits, s))
+    yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
+                  lambda s: s.num_preemptions)
+    yield counter("prompt_tokens", "Number of prefill tokens processed (computed: recomputation included, "
+                  "prefix-cache hits not).", lambda s: s.prompt_tokens_total)
+    yield counter("generation_tokens", "Number of generation tokens processed.",
+                  lambda s: s.generation_tokens_total)
+    info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config (always 1).",
+                             labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "engine"])
+    for i, (s, _) in enumerate(states):
+        info.add_metric([str(s.block_size), str(s.num_kv_blocks), str(s.num_host_kv_blocks), str(i)], 1.0)
+    yield info
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (no adapters here: "
+                             "the value is the time of the scrape).",
+                             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    lora.add_metric(["0", "", ""], time.time())
+    yield lora
 
 
 class ServerMetrics:
@@ -106,21 +178,79 @@ class ServerMetrics:
         self._success = Counter("conveyor:request_success", "Sequences finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)   # vLLM's label
         self._model_name = model_name
+        # vLLM's names for the same observations, labelled with the engine replica that served them
+        vlabels = ["model_name", "engine"]
 
-    def observe_finished(self, out: RequestOutput) -> None:
-        """Per sequence of a finished request (aborted and failed ones are not counted)."""
+        def vhist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"vllm:{name}", doc, vlabels, buckets=buckets, registry=self.registry)
+
+        self._vllm_hists = (
+            (vhist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+             lambda m: m.ttft),
+            (vhist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS),
+             lambda m: m.e2e),
+            (vhist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                   E2E_BUCKETS), lambda m: m.queue_time))
+        self._vllm_itl = vhist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               ITL_BUCKETS)
+        self.registry.register(_Renamed(self._vllm_itl, "vllm:time_per_output_token_seconds",
+                                        "Histogram of time per output token in seconds (the inter-token "
+                                        "latencies: vLLM's older name of vllm:inter_token_latency_seconds)."))
+        self._vllm_success = Counter("vllm:request_success", "Count of successfully processed requests (per "
+                                     "sequence, as vLLM counts an n > 1 request's children).",
+                                     vlabels + ["finished_reason"], registry=self.registry)
+        self._touch(0)
+
+    def observe_finished(self, out: RequestOutput, engine: int = 0) -> None:
+        """Per sequence of a finished request (aborted and failed ones are not counted); `engine`: the
+        data-parallel replica that served it (the `vllm:` series' label)."""
         for c, m in zip(out.outputs, out.metrics):
             if c.finish_reason not in ("stop", "length"):
                 continue
             self._success.labels(self._model_name, c.finish_reason).inc()
+            self._vllm_success.labels(self._model_name, str(engine), c.finish_reason).inc()
             for hist, value in ((self.ttft, m.ttft), (self.e2e, m.e2e), (self.queue, m.queue_time)):
                 if value is not None:
                     hist.observe(value)
+            for vh, key in self._vllm_hists:
+                value = key(m)
+                if value is not None:
+                    vh.labels(self._model_name, str(engine)).observe(value)
+            vitl = self._vllm_itl.labels(self._model_name, str(engine))
             for dt in m.inter_token_latencies:
                 self.itl.observe(dt)
+                vitl.observe(dt)
+
+    def finished_listeners(self, replicas: int) -> list[Callable[[RequestOutput], None]]:
+        """One finished-request listener per engine replica (each labels its `vllm:` series with its index)."""
+        for i in range(replicas):
+            self._touch(i)
+        return [functools.partial(self.observe_finished, engine=i) for i in range(replicas)]
+
+    def _touch(self, engine: int) -> None:
+        """An engine's `vllm:` request series exist (at 0) before its first request, as vLLM's do."""
+        labels = (self._model_name, str(engine))
+        for hist in [h for h, _ in self._vllm_hists] + [self._vllm_itl]:
+            hist.labels(*labels)
+        for reason in ("stop", "length"):
+            self._vllm_success.labels(*labels, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Renamed(Collector):
+    """Another metric's series under a second name (an older name kept for the readers that use it),
+    copied at scrape time rather than observed twice."""
+
+    def __init__(self, source: Collector, name: str, doc: str):
+        self.source, self.name, self.doc = source, name, doc
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(self.name, self.doc, family.type)
+            out.samples = [s._replace(name=self.name + s.name[len(family.name):]) for s in family.samples]
+            yield out
 
 
 async def log_stats(stats: Callable[[], EngineStats], interval: float) -> None:

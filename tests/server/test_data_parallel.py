@@ -157,6 +157,38 @@ def test_a_killed_replica_fails_only_its_requests_and_is_reported_down(dp_server
         "status": "degraded", "replicas": [{"replica": 0, "up": True}, {"replica": 1, "up": False}]}
     per = dp_server.metrics(by_replica=True)
     assert per["conveyor:replica_up{replica=0}"] == 1 and per["conveyor:replica_up{replica=1}"] == 0
+    assert engine.replica_stats()[1].num_running > 0   # the dead replica's last stats still say busy...
+    deadline = time.monotonic() + 30
+    while engine.replica_stats()[0].num_running or engine.replica_stats()[0].num_waiting:   # the survivor idle
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    gauges = load_gauges(dp_server.http.get("/metrics").text)
+    assert {name for name, _ in gauges} >= {"conveyor:num_requests_running", "vllm:num_requests_running",
+                                             "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    for (name, replica), value in gauges.items():   # ...but /metrics reports zeros for it
+        if replica == "1":
+            assert value == 0, name
+    for name in {name for name, _ in gauges}:       # and the server's totals are the survivor's
+        assert sum(v for (n, _), v in gauges.items() if n == name) == gauges[name, "0"], name
+    per = dp_server.metrics(by_replica=True)   # counters keep the dead replica's totals
+    assert per["conveyor:generation_tokens_total{replica=1}"] > 0
+    assert per["vllm:generation_tokens_total{engine=1}"] == per["conveyor:generation_tokens_total{replica=1}"]
     for i in range(3):   # the survivor takes everything now
         r = client.completions.create(model=model, prompt=f"After the crash {i}", max_tokens=3)
         assert r.choices[0].finish_reason == "length"
+
+
+def load_gauges(text: str) -> dict[tuple[str, str], float]:
+    """Every per-replica load gauge on /metrics (conveyor: and vllm: names) as {(name, replica): value};
+    the status gauges (replica_up, engine_dead), info gauges and the series' creation times are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "gauge" or family.name.endswith(("_info", "_created", "replica_up", "engine_dead")):
+            continue
+        for sample in family.samples:
+            replica = sample.labels.get("replica", sample.labels.get("engine"))
+            if replica is not None:
+                out[sample.name, replica] = sample.value
+    return out
