@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "ray", False):   # conveyor serve --ray: the app on Ray Serve (conveyor/ray/serve.py)
+        from conveyor.ray.serve import serve_from_cli
+
+        return serve_from_cli(args)
     try:
         return args.func(args) or 0
     except (FileNotFoundError, ValueError) as e:

@@ -74,6 +74,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     s.add_argument("--router", default="prefix", choices=("prefix", "least-load", "round-robin"),
                    help="how requests are spread over the replicas: prefix sends a prompt to the replica that "
                         "served its first KV blocks (prefix-cache hits), unless that one is much busier")
+    s.add_argument("--ray", action="store_true",
+                   help="serve on Ray Serve (needs the 'ray' extra): --data-parallel-size engine replicas placed, "
+                        "health-checked and restarted by Ray, behind Conveyor's API on Serve's proxy; starts a local "
+                        "Ray, or joins $RAY_ADDRESS (docs/scale-out.md)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
     return p
