@@ -8,7 +8,8 @@ simulator's prediction for the same choice on GPUs.
    - 1 replica x all threads (`--data-parallel-size 1`),
    - 2 replicas x half the threads each (`--data-parallel-size 2 --router least-load`),
    - tensor parallel over 2 ranks x half the threads (`--tensor-parallel-size 2`, gloo),
-   interleaved, `--rounds` times; medians and ratios to the 1-replica run.
+   - 2 replicas on Ray Serve (`--ray --data-parallel-size 2 --router least-load`),
+   interleaved, `--rounds` times (`--setups` picks some); medians and ratios to the 1-replica run.
 2. Online with vLLM's own load client (`vllm bench serve`, random 128/128, 100 prompts, from
    benchmarks/peers) at one rate below and one above saturation: DP=1 vs DP=2 TTFT/TPOT.
    Needs the vLLM venv of benchmarks/peers/setup_vllm.sh; skipped with --skip-online.
@@ -40,6 +41,8 @@ SETUPS = {
     "dp1": ["--data-parallel-size", "1"],
     "dp2": ["--data-parallel-size", "2", "--router", "least-load"],
     "tp2": ["--tensor-parallel-size", "2"],
+    # Ray Serve: the same 2 replicas, placed and routed by Ray (conveyor/ray/serve.py; needs conveyor[ray])
+    "ray2": ["--ray", "--data-parallel-size", "2", "--router", "least-load"],
 }
 ONLINE_RATES = {"bfloat16": (2.0, 8.0), "float32": (1.0, 4.0)}
 
@@ -83,6 +86,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-online", action="store_true")
     ap.add_argument("--skip-burst", action="store_true")
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"burst setups, from {', '.join(SETUPS)}")
+    ap.add_argument("--skip-sim", action="store_true")
+    ap.add_argument("--name", default="scale_out", help="results/NAME.json (another name keeps the last full run)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="scale-out-"))
     result: dict = {"cores": CORES, "burst": {}, "online": {}, "simulated_h200": {}}
@@ -90,17 +96,18 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         if args.skip_burst:
             break
-        runs: dict[str, list[float]] = {s: [] for s in SETUPS}
+        setups = args.setups.split(",")
+        runs: dict[str, list[float]] = {s: [] for s in setups}
         for r in range(args.rounds):
-            for setup in SETUPS:
+            for setup in setups:
                 res = burst(setup, dtype, salt=100 * r + len(runs[setup]))
                 print(dtype, setup, r, res, flush=True)
                 runs[setup].append(res["output_throughput"])
         med = {s: statistics.median(v) for s, v in runs.items()}
         result["burst"][dtype] = {"runs": runs, "median": med,
                                   "ratio_to_dp1": {s: med[s] / med["dp1"] for s in med}}
-        lines.append(f"{dtype} burst tok/s DP1 {med['dp1']:.0f}, DP2 {med['dp2']:.0f} "
-                     f"({med['dp2'] / med['dp1']:.2f}x), TP2 {med['tp2']:.0f} ({med['tp2'] / med['dp1']:.2f}x)")
+        lines.append(f"{dtype} burst tok/s DP1 {med['dp1']:.0f}" + "".join(
+            f", {s.upper()} {med[s]:.0f} ({med[s] / med['dp1']:.2f}x)" for s in setups if s != "dp1"))
     if not args.skip_online:
         from compare import model_dir
 
@@ -114,16 +121,17 @@ def main() -> None:
                          f"{b['median_tpot_ms']:.1f} ms (DP1 -> DP2)")
             print(lines[-1], flush=True)
     sims = {"llama-3.1-8b": (((1, 2), (2, 1)), 30.0), "llama-3.1-70b": (((4, 2), (8, 1)), 10.0)}
-    for model, (shapes, rate) in sims.items():
+    for model, (shapes, rate) in sims.items() if not args.skip_sim else ():
         for tp, dp in shapes:
             key = f"{model} tp{tp} x dp{dp} @ {rate}/s"
             result["simulated_h200"][key] = simulate(model, tp, dp, rate, out)
             print(key, result["simulated_h200"][key], flush=True)
     sim = result["simulated_h200"]
-    lines.append("H200 sim TPOT p50 " + ", ".join(f"{k.split(' @')[0]} {v['p50_tpot_s'] * 1e3:.1f} ms"
-                                                   for k, v in sim.items()))
+    if sim:
+        lines.append("H200 sim TPOT p50 " + ", ".join(f"{k.split(' @')[0]} {v['p50_tpot_s'] * 1e3:.1f} ms"
+                                                       for k, v in sim.items()))
     print(json.dumps(result, indent=1))
-    save("scale_out", result, "; ".join(lines))
+    save(args.name, result, "; ".join(lines))
 
 
 if __name__ == "__main__":

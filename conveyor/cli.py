@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +62,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from conveyor.paths import profile_path
     from conveyor.profile import profile
 
+    # The calibration step (meant for an idle machine) also measures the kernel-path probes afresh
+    # and remembers them for every later start (conveyor/model/probe_cache.py).
+    os.environ.setdefault("CONVEYOR_PROBES", "fresh")
     engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
     model = profile(engine, quick=args.quick, repeats=args.repeats)
     out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype)
