@@ -8,18 +8,22 @@ measurement on a machine is written to ``cache_dir()/probes/<machine>.json`` and
 start reads it back. The machine key is the CPU model, its SIMD flags, the thread count and the
 torch version: change any of them and the probes run again.
 
+Processes starting together (data-parallel or Ray replicas) take turns under a file lock, and
+the first measurement is every one's, so the replicas of one server run the same paths.
+``CONVEYOR_PROBES_DIR`` moves the file (the tests give each session its own).
 ``CONVEYOR_PROBES``: ``cache`` (default) as above; ``fresh`` measures again and overwrites the
 remembered answers (once per process and probe); ``off`` neither reads nor writes the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,6 +37,7 @@ VERSION = 1   # bump when a probe's meaning changes: old answers are then measur
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
 _lock = threading.Lock()
+_held = threading.local()
 
 
 def cpu_info() -> tuple[str, set[str]]:
@@ -60,9 +65,31 @@ def machine_key() -> dict:
 
 
 def probes_path() -> Path:
+    """``$CONVEYOR_PROBES_DIR`` (default ``cache_dir()/probes``) / a digest of the machine key."""
     key = machine_key()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "probes" / f"{digest}.json"
+    folder = os.environ.get("CONVEYOR_PROBES_DIR")
+    return (Path(folder) if folder else cache_dir() / "probes") / f"{digest}.json"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Held across read, measure and write: engine replicas starting together (data parallel, Ray)
+    take turns, so the first one's measurement is every one's (and they do not time each other)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a+")
+    except OSError:   # a read-only cache: no lock, no file (measured every start)
+        yield
+        return
+    with f:
+        try:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except (ImportError, OSError):   # no flock here (Windows): the thread lock still holds
+            pass
+        yield
 
 
 def _read(path: Path) -> dict:
@@ -81,27 +108,35 @@ _fresh_done: set[str] = set()
 def remembered(name: str, measure: Callable[[], T]) -> T:
     """`measure()`'s answer for `name` on this machine: measured once, then read back (a JSON value)."""
     mode = os.environ.get("CONVEYOR_PROBES", "cache")
-    if mode == "off":
+    if mode == "off" or getattr(_held, "on", False):   # (a probe measured inside another's: not remembered)
         return measure()
     path = probes_path()
-    with _lock:
-        if mode != "fresh" or name in _fresh_done:
-            decisions = _read(path)["decisions"]
-            if name in decisions:
-                return decisions[name]
-    value = measure()
-    with _lock:
-        data = _read(path)
-        data["decisions"][name] = value
+    with _lock, _file_lock(path):
+        _held.on = True
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, path)   # atomic: a concurrent start reads the old file or the new one
-        except OSError as e:   # a read-only home: measured every start, as before
-            logger.warning("cannot remember probe %s in %s: %s", name, path, e)
-        if mode == "fresh":
-            _fresh_done.add(name)
+            return _remembered(name, measure, mode, path)
+        finally:
+            _held.on = False
+
+
+def _remembered(name: str, measure: Callable[[], T], mode: str, path: Path) -> T:
+    """Under both locks: the file's answer (another process may have measured it while we waited),
+    or a measurement, written back atomically."""
+    if mode != "fresh" or name in _fresh_done:
+        decisions = _read(path)["decisions"]
+        if name in decisions:
+            return decisions[name]
+    value = measure()
+    data = _read(path)
+    data["decisions"][name] = value
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)   # atomic: a reader without the lock sees the old file or the new one
+    except OSError as e:   # a read-only home: measured every start, as before
+        logger.warning("cannot remember probe %s in %s: %s", name, path, e)
+    if mode == "fresh":
+        _fresh_done.add(name)
     logger.info("probe %s measured on this machine: %s (remembered in %s)", name, value, path)
     return value
 

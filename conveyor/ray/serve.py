@@ -448,6 +448,10 @@ def run(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, name
     import ray
     from ray import serve
 
+    if config.kv_events_endpoint:   # every replica would get the same endpoint and dp_rank 0
+        raise ValueError("KV events (--kv-events-endpoint) are not supported with --ray yet: the replicas "
+                         "would share one endpoint; use the built-in --data-parallel-size server")
+
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})

@@ -4,6 +4,7 @@ remembered; dtype="auto" follows the CPU's features, and a flickering probe cann
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -14,6 +15,7 @@ from conveyor.model.dtype import cpu_auto_dtype
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CONVEYOR_PROBES_DIR", raising=False)   # (the suite's own: tests/conftest.py)
     monkeypatch.delenv("CONVEYOR_PROBES", raising=False)
     monkeypatch.setattr(probe_cache, "_fresh_done", set())
     return tmp_path
@@ -84,3 +86,19 @@ def test_linear_path_probes_are_remembered(monkeypatch):
     monkeypatch.setattr(linear, "_measure_packed", lambda *a: pytest.fail("measured again"))
     assert linear._measured(torch.float32, 64, 96) is True
     linear._measured.cache_clear()
+
+
+def test_processes_starting_together_share_the_first_measurement(tmp_path):
+    """Replicas of one server start at once: under the file lock the first measures, the others
+    read its answer (each would otherwise time its own, and they could differ)."""
+    import subprocess
+    import sys
+
+    code = ("import os, time; from conveyor.model import probe_cache as p; "
+            "print(p.remembered('race', lambda: (time.sleep(0.5), os.getpid())[1]))")
+    env = {**os.environ, "CONVEYOR_CACHE_DIR": str(tmp_path)}
+    env.pop("CONVEYOR_PROBES_DIR", None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    answers = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert len(answers) == 1 and answers != {""}
