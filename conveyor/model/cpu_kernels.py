@@ -19,10 +19,9 @@ _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp",
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
+    from conveyor.model.probe_cache import cpu_info
+
+    flags = cpu_info()[1]
     out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
     if "avx512_bf16" in flags and "avx512f" in flags:
         out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.server.reasoning import ThinkSplitter
+from conveyor.server.reasoning import ThinkSplitter, partial_suffix
 from conveyor.server.tools import ToolPlan, parse_tool_calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -69,13 +69,6 @@ class ParsedOutput:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class _JsonValueEnd:
@@ -167,7 +160,7 @@ class OutputStream:
                 self._say(out, self._text[:i])
                 self._text, self._in_call, self._body = self._text[i + len(OPEN):], True, ""
                 continue
-            keep = 0 if final else _partial_suffix(self._text, OPEN)
+            keep = 0 if final else partial_suffix(self._text, OPEN)
             self._say(out, self._text[:len(self._text) - keep])
             self._text = self._text[len(self._text) - keep:]
             return out
@@ -208,7 +201,7 @@ class OutputStream:
             index, scanner, pos = self._streaming
             end = self._body.find(CLOSE, pos)
             # (a partial </tool_call> at the end is held back: it is not arguments)
-            chunk_end = len(self._body) - _partial_suffix(self._body, CLOSE) if end < 0 else end
+            chunk_end = len(self._body) - partial_suffix(self._body, CLOSE) if end < 0 else end
             if scanner is not None and not scanner.started:   # whitespace before the value is not sent
                 while pos < chunk_end and self._body[pos].isspace():
                     pos += 1

@@ -41,7 +41,7 @@ def opened_in_prompt(prompt_text: str | None) -> bool:
     return start > end and not prompt_text[start + len(START):].strip()
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (held back: the
     next delta may complete the tag)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -84,7 +84,7 @@ class ThinkSplitter:
                         out.append(("reasoning", buf[:i]))
                     self._buf, self._state = buf[i + len(END):], "content"
                     continue
-                keep = 0 if finished else _partial_suffix(buf, END)
+                keep = 0 if finished else partial_suffix(buf, END)
                 if len(buf) > keep:
                     out.append(("reasoning", buf[:len(buf) - keep]))
                 self._buf = buf[len(buf) - keep:]
