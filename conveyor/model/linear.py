@@ -5,15 +5,16 @@
   Such a matmul is bound by reading the weight; oneDNN adds ~15-20 us of fixed cost per call
   (at batch 1 a third of the step over the ~120 matmuls of the demo model), and MKL's fp32
   matmul at 4-8 rows reads the weight about twice as slowly.
-- **More tokens:** oneDNN prepacked weights. ``torch.ops.mkldnn._reorder_linear_weight`` lays a
+- **More tokens:** oneDNN prepacked weights, per weight shape where measured faster. ``torch.ops.mkldnn._reorder_linear_weight`` lays a
   weight out once in oneDNN's blocked format (AMX tiles where the CPU has them);
   ``_linear_pointwise`` then multiplies without repacking it on every call — the part that
   dominates small-batch matmuls. It pays for bf16 on AMX CPUs (1.5-2x at decode batch sizes);
   for fp32 it is about even.
 - **Otherwise** ``F.linear``.
 
-Both choices are measured once per process and dtype on the model's own shapes, since the CPUs
-of these machines vary. When both apply, the layer holds its weight twice (plain for the GEMV,
+Both choices are measured on the model's own shapes (prepacking per shape, at the token counts
+it would serve; the GEMV on the largest layer shape, streaming from memory), interleaved, with a
+margin, and remembered per machine (probe_cache.py), since the CPUs of these machines vary. When both apply, the layer holds its weight twice (plain for the GEMV,
 packed for the rest): one more copy of the layer weights in memory, none more read per step.
 ``CONVEYOR_PACKED_LINEAR=off`` and ``CONVEYOR_GEMV=off`` turn either off, for comparisons.
 """
@@ -57,6 +58,27 @@ def _time(fn, repeats: int = 20, warmup: int = 3) -> float:
     return (time.perf_counter() - t) / repeats
 
 
+def _ratio(a, b, rounds: int = 5) -> float:
+    """Median over `rounds` of time(a) / time(b), each round timing both once, in alternating
+    order (a drift in the machine's speed hits both sides), after one warm call of each."""
+    a(), b()
+    ratios = []
+    for r in range(rounds):
+        if r % 2:
+            tb, ta = _time(b, 1, 0), _time(a, 1, 0)
+        else:
+            ta, tb = _time(a, 1, 0), _time(b, 1, 0)
+        ratios.append(ta / tb)
+    return statistics.median(ratios)
+
+
+# Token counts a prepacked weight is timed at: the steps that do not go to the GEMV (decode
+# batches, prefill chunks). The LM head only sees the rows being sampled (<= max_num_seqs).
+PACKED_PROBE_TOKENS = (16, 64, 256)
+PACKED_PROBE_TOKENS_HEAD = (16, 64)
+PACKED_MARGIN = 0.95   # prepacking must be clearly faster: F.linear is the default and needs no copy
+
+
 @cache
 def _measured(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
     from conveyor.model.probe_cache import remembered
@@ -66,17 +88,26 @@ def _measured(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
 
 
 def _measure_packed(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """Prepacked oneDNN against F.linear on this shape at the token counts it would serve (the
+    sum over them, so each count weighs by its cost), interleaved rounds, a 5% margin. On AMD
+    CPUs MKL's fp32 matmul runs at about half the rate of oneDNN's (an EPYC Zen5: 230 vs 493
+    GFLOP/s on 2048^3; benchmarks/gemm_shapes.py), while at one token oneDNN's fixed cost can
+    lose: so one token, which the GEMV serves anyway, is not what decides."""
     if not _ops_available():
         return False
     try:
         w = torch.randn(out_features, in_features, dtype=dtype)
         pw = pack(w)
-        ok = True
-        for tokens in (1, 32):
-            x = torch.randn(tokens, in_features, dtype=dtype)
-            ok = ok and torch.allclose(packed_linear(x, pw, None).float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-1)
-            ok = ok and _time(lambda: packed_linear(x, pw, None)) < 0.9 * _time(lambda: F.linear(x, w))
-        logger.info("prepacked oneDNN linear for %s: %s", dtype, "faster, used" if ok else "not faster, not used")
+        tokens = PACKED_PROBE_TOKENS_HEAD if out_features > 16 * in_features else PACKED_PROBE_TOKENS
+        xs = [torch.randn(t, in_features, dtype=dtype) for t in tokens]
+        for x in xs:
+            if not torch.allclose(packed_linear(x, pw, None).float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-1):
+                logger.warning("prepacked oneDNN linear disagrees with F.linear for %s; not used", dtype)
+                return False
+        ratio = _ratio(lambda: [packed_linear(x, pw, None) for x in xs], lambda: [F.linear(x, w) for x in xs])
+        ok = ratio < PACKED_MARGIN
+        logger.info("prepacked oneDNN linear for %s %dx%d: %.2fx F.linear's time, %s", dtype, in_features,
+                    out_features, ratio, "used" if ok else "not used")
         return ok
     except Exception as e:   # noqa: BLE001 - an op missing or refusing this dtype: plain F.linear
         logger.info("prepacked oneDNN linear unavailable for %s: %s", dtype, e)
@@ -102,6 +133,13 @@ def _gemv_measured(dtype: torch.dtype, in_features: int, out_features: int, pack
     return int(remembered(name, lambda: _measure_gemv(dtype, in_features, out_features, packed, copies)))
 
 
+# The GEMV is used up to the largest token count where its matmul takes at most this much of the
+# other path's time: within the threshold a decode step also runs all its layers in one C++ call,
+# which saves 10-25% of a small step (bf16, EPYC Zen5, batch 1-8: 9.1-11.2 ms against 11.1-12.7 ms
+# with the GEMV and oneDNN at 0.9-1.1x each other), so a tie goes to the GEMV.
+GEMV_MARGIN = 1.15
+
+
 def _measure_gemv(dtype: torch.dtype, in_features: int, out_features: int, packed: bool, copies: int) -> int:
     from conveyor.model.cpu_kernels import cpu_kernels
 
@@ -111,21 +149,19 @@ def _measure_gemv(dtype: torch.dtype, in_features: int, out_features: int, packe
     ws = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]
     pws = [pack(w) for w in ws] if packed else ws
     other = (lambda x, w: packed_linear(x, w, None)) if packed else (lambda x, w: F.linear(x, w))
-    best = 0
+    best, ratios = 0, {}
     for tokens in range(1, MAX_GEMV_TOKENS + 1):
         x = torch.randn(tokens, in_features, dtype=dtype)
         if not torch.allclose(kernels.gemv(x, ws[0], None).float(), F.linear(x, ws[0]).float(), rtol=1e-2, atol=1e-1):
             logger.warning("C++ GEMV disagrees with F.linear for %s; not used", dtype)
             return 0
-        ours, theirs = (lambda: [kernels.gemv(x, w, None) for w in ws]), (lambda: [other(x, w) for w in pws])
-        ours(), theirs()   # warm-up (oneDNN makes its kernel for a new shape on first use)
-        # One pass over the copies each, alternating, so that a drift in the machine's speed hits both.
-        ratios = [_time(ours, 1, warmup=0) / _time(theirs, 1, warmup=0) for _ in range(5)]
-        # Not slower is enough: a step within the threshold also runs its layers in one C++ call.
-        if statistics.median(ratios) >= 1.0:
-            break
-        best = tokens
-    logger.info("C++ GEMV for %s: used up to %d tokens per matmul", dtype, best)
+        # One pass over the copies each, alternating. Every count is measured (no stop at the first
+        # loss: near a tie one noisy count would otherwise cut the threshold short).
+        ratios[tokens] = _ratio(lambda: [kernels.gemv(x, w, None) for w in ws], lambda: [other(x, w) for w in pws])
+        if ratios[tokens] <= GEMV_MARGIN:
+            best = tokens
+    logger.info("C++ GEMV for %s: used up to %d tokens per matmul (time vs the other path: %s)", dtype, best,
+                ", ".join(f"{t}: {r:.2f}x" for t, r in ratios.items()))
     return best
 
 
@@ -168,13 +204,16 @@ class CpuLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def replace_linears(module: nn.Module, packed: bool, gemv_max: int) -> int:
-    """Replace every nn.Linear below `module` by a CpuLinear; returns how many."""
+def replace_linears(module: nn.Module, packed, gemv_max: int) -> int:
+    """Replace every nn.Linear below `module` by a CpuLinear; returns how many. `packed`: a bool,
+    or a function (in_features, out_features) -> bool choosing per weight shape."""
+    choose = packed if callable(packed) else (lambda k, n: packed)
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, CpuLinear(child.weight, child.bias, packed, gemv_max))
+            setattr(module, name, CpuLinear(child.weight, child.bias, choose(child.in_features, child.out_features),
+                                            gemv_max))
             count += 1
         else:
-            count += replace_linears(child, packed, gemv_max)
+            count += replace_linears(child, choose, gemv_max)
     return count

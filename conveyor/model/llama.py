@@ -196,12 +196,15 @@ class LlamaForCausalLM(nn.Module):
                 logits = self.tp.gather_logits(logits)
         return logits if hidden_indices is None else (logits, x[n:])
 
-    def cpu_linears(self, packed: bool, gemv_max: int) -> None:
+    def cpu_linears(self, packed, gemv_max: int) -> None:
         """Every matmul (the LM head too) through CpuLinear: the C++ GEMV up to `gemv_max` tokens,
-        oneDNN's prepacked layout (when `packed`) above (CPU; see linear.py)."""
+        oneDNN's prepacked layout (when `packed`: a bool, or a function of (in_features,
+        out_features) choosing per shape) above (CPU; see linear.py)."""
+        choose = packed if callable(packed) else (lambda k, n: packed)
         for layer in self.layers:
-            replace_linears(layer, packed, gemv_max)
-        self.cpu_lm_head = CpuLinear(self.lm_head_weight(), None, packed, gemv_max)
+            replace_linears(layer, choose, gemv_max)
+        head = self.lm_head_weight()
+        self.cpu_lm_head = CpuLinear(head, None, choose(head.shape[1], head.shape[0]), gemv_max)
         if not self.cfg.tie_word_embeddings:
             del self.lm_head   # the CpuLinear holds what is needed of it
         if gemv_max and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \

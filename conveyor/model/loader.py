@@ -105,11 +105,16 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     model.rope.reset()
     model.rope.to(device)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
-    packed = prefer_packed(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size)
+    # Prepacking is chosen per weight shape (MKL and oneDNN rank differently by shape and CPU);
+    # the GEMV's threshold, one for the model (its fused layer loop needs one), on the MLP's shape.
+    shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    shapes.add((cfg.hidden_size, model.lm_head_weight().shape[0]))
+    packed = {s: prefer_packed(device, dtype, *s) for s in sorted(shapes)}
+    mlp = (cfg.hidden_size, 2 * cfg.intermediate_size)
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
-    gemv_max = gemv_tokens(device, dtype, cfg.hidden_size, 2 * cfg.intermediate_size, packed, matmul_bytes)
-    if packed or gemv_max:
-        model.cpu_linears(packed, gemv_max)
+    gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes)
+    if any(packed.values()) or gemv_max:
+        model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
     return model.eval()
 
 

@@ -32,7 +32,7 @@ from conveyor.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-VERSION = 1   # bump when a probe's meaning changes: old answers are then measured again
+VERSION = 2   # bump when a probe's meaning changes: old answers are then measured again
 # Flags that change which kernels exist or how fast they run.
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni")
@@ -54,6 +54,33 @@ def cpu_info() -> tuple[str, set[str]]:
     except OSError:
         pass
     return model, flags
+
+
+def cpu_family() -> str:
+    """A short name of the CPU's family, for per-CPU records (benchmark results, docs tables):
+    what decides which kernels exist and how MKL and oneDNN behave. From /proc/cpuinfo's vendor,
+    family and model numbers and flags; "unknown" where there is none."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break   # the first processor is enough
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        return "unknown"
+    flags = set(fields.get("flags", "").split())
+    vendor, family = fields.get("vendor_id", ""), int(fields.get("cpu family", "0") or 0)
+    if vendor == "AuthenticAMD":
+        name = {23: "AMD Zen/Zen2", 25: "AMD Zen4" if "avx512f" in flags else "AMD Zen3", 26: "AMD Zen5"}.get(
+            family, f"AMD family {family}")
+    elif vendor == "GenuineIntel":
+        name = "Intel AMX" if "amx_bf16" in flags else "Intel AVX-512" if "avx512f" in flags else "Intel"
+    else:
+        name = vendor or "unknown"
+    isa = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else \
+        "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} ({isa}; family {family} model {fields.get('model', '?')})"
 
 
 def machine_key() -> dict:

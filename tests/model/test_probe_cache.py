@@ -102,3 +102,61 @@ def test_processes_starting_together_share_the_first_measurement(tmp_path):
              for _ in range(3)]
     answers = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert len(answers) == 1 and answers != {""}
+
+
+def test_gemv_threshold_survives_one_noisy_count(monkeypatch):
+    """Every token count is measured; a tie goes to the GEMV (its fused layer loop saves more than
+    the margin), and one count losing in the middle does not cut the threshold short."""
+    from conveyor.model import linear
+
+    import torch
+
+    from conveyor.model.cpu_kernels import cpu_kernels
+
+    if cpu_kernels("cpu", torch.float32) is None:
+        pytest.skip("C++ kernels not built here")
+    ratios = iter([0.8, 1.3, 1.05, 1.1, 0.9, 1.2, 1.4, 1.6])   # counts 1..8 (2 noisy; 6-8 clearly slower)
+    monkeypatch.setattr(linear, "_ratio", lambda a, b: next(ratios))
+    assert linear._measure_gemv(torch.float32, 64, 96, packed=False, copies=2) == 5
+
+
+def test_prepacking_is_chosen_per_shape_and_only_when_clearly_faster(monkeypatch):
+    """Each weight shape gets its own decision, made at the token counts prepacked weights serve
+    (not at one token, where the GEMV runs), with a margin."""
+    from conveyor.model import linear
+
+    import torch
+
+    if not linear._ops_available():
+        pytest.skip("no oneDNN linear ops in this torch")
+    seen = []
+
+    def fake_ratio(a, b):
+        a()   # the packed side: one call per token count
+        seen.append(len(a()))
+        return 0.96
+    monkeypatch.setattr(linear, "_ratio", fake_ratio)
+    assert linear._measure_packed(torch.float32, 64, 96) is False           # 4% faster: within the margin
+    monkeypatch.setattr(linear, "_ratio", lambda a, b: 0.5)
+    assert linear._measure_packed(torch.float32, 64, 96) is True
+    assert seen == [len(linear.PACKED_PROBE_TOKENS)]
+
+
+def test_model_takes_prepacking_per_shape(tiny_models, monkeypatch):
+    from conveyor.model import linear, loader
+
+    import torch
+
+    if not linear._ops_available():
+        pytest.skip("no oneDNN linear ops in this torch")
+    fam = tiny_models("llama_gqa")
+    cfg = fam.cfg
+    qkv = (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size)
+    asked = []
+    monkeypatch.setattr(linear, "prefer_packed", lambda device, dtype, k, n: asked.append((k, n)) or (k, n) == qkv)
+    monkeypatch.setenv("CONVEYOR_GEMV", "off")
+    model = loader.build_model(cfg, loader.load_weights(fam.path), dtype=torch.float32)
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.o_proj.packed is None
+    assert layer.mlp.gate_up_proj.packed is None and model.cpu_lm_head.packed is None
+    assert (cfg.hidden_size, cfg.vocab_size) in asked and len(set(asked)) == len(asked) >= 4
