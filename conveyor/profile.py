@@ -109,7 +109,9 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
     chunks = (32, 256) if quick else (16, 64, 256, 512)
     cached = (0, 512) if quick else (0, 256, 1024, 1536)
     candidates = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64, 128, max_seqs)
-    batches = sorted({b for b in candidates if b <= max_seqs})
+    # Knots on both sides of every kernel switch (e.g. GEMV up to 8 tokens, oneDNN from 9).
+    switches = [t for n in dispatch_thresholds(engine).values() for t in (n, n + 1)]
+    batches = sorted({b for b in (*candidates, *switches) if 1 <= b <= max_seqs})
     contexts = (64, 512) if quick else (32, 128, 512, 1024)
     out: list = []
     for n in chunks:
@@ -130,6 +132,13 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
         k = budget // chunk
         out.append(("prefills", lambda p, k=k, chunk=chunk: [p.seq(0, chunk) for _ in range(k)]))
     return out
+
+
+def dispatch_thresholds(engine: Engine) -> dict[str, int]:
+    """The token counts where the engine's model switches kernel paths (empty where it has none,
+    e.g. off the CPU or without the C++ kernels)."""
+    thresholds = getattr(engine.runner.model, "dispatch_thresholds", None)
+    return thresholds() if thresholds is not None else {}
 
 
 def measure_engine_overhead(engine: Engine, batch: int, steps: int = 12) -> float:
@@ -233,6 +242,7 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, progress: 
     model.meta = {
         "machine": machine(), "model": engine.model_name, "dtype": engine.dtype, "block_size": cfg.block_size,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "fit": quality,
+        "dispatch_thresholds": dispatch_thresholds(engine),
         "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large},
         "samples": [{"kind": s.kind, "measured_s": s.seconds, "fitted_s": executor_only.shape_time(s.shape),
                      "tokens": s.shape.tokens, "decode_context": s.shape.decode_context,

@@ -92,9 +92,12 @@ class EngineStats:
         counters.update({f.name: getattr(core, f.name) for f in fields(core)})
         counters.update(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                         num_swapped=len(scheduler.swapped))
-        running = _request_count(scheduler.running)
-        live = running if len(scheduler.requests) == len(scheduler.running) else \
-            _request_count(scheduler.requests.values())   # some are queued
+        if scheduler.num_followers == 0:   # one sequence per request: counts, no set per step
+            running, live = len(scheduler.running), len(scheduler.requests)
+        else:
+            running = _request_count(scheduler.running)
+            live = running if len(scheduler.requests) == len(scheduler.running) else \
+                _request_count(scheduler.requests.values())   # some are queued
         return cls(**counters, num_running_requests=running, num_waiting_requests=live - running,
                    kv_usage=kv.usage, block_size=kv.block_size, num_host_kv_blocks=kv.num_host_blocks,
                    num_kv_blocks=kv.num_blocks,

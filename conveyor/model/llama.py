@@ -212,6 +212,15 @@ class LlamaForCausalLM(nn.Module):
             self.fused_decode_tokens = gemv_max
             self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
 
+    def dispatch_thresholds(self) -> dict[str, int]:
+        """The token counts where this model's kernel path changes (a step of up to N tokens takes
+        one path, N + 1 the next): the C++ GEMV's width and the fused decode loop's. Zero-width
+        paths are left out. A step-cost profile needs a knot on both sides of each (a straight
+        line across a switch mispredicts the steps near it)."""
+        gemv = max((m.gemv_max for m in self.modules() if isinstance(m, CpuLinear)), default=0)
+        out = {"gemv_tokens": gemv, "fused_decode_tokens": self.fused_decode_tokens}
+        return {k: v for k, v in out.items() if v > 0}
+
     @staticmethod
     def _layer_tensors(layer: DecoderLayer) -> list[torch.Tensor]:
         """A layer's tensors in the order of csrc/decode_layers_cpu.cpp; empty where absent."""

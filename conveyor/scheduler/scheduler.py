@@ -75,6 +75,7 @@ class Scheduler:
         self.swapped: list[Request] = []    # the swapped ones (also in the queue)
         self._reserved: int | None = None
         self.requests: dict[str, Request] = {}
+        self.num_followers = 0   # live sequences with a prefill_leader (the 2nd.. of an n > 1 request)
         self.deadlines = DeadlineHeap(self.requests)   # queue deadlines (deadlines.py)
         self.stats = SchedulerStats()
         self._arrivals = 0
@@ -102,6 +103,7 @@ class Scheduler:
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self.num_followers += request.prefill_leader is not None
         self.waiting.push(request)
         self.deadlines.push(request, self.config.max_queue_time)
 
@@ -119,7 +121,8 @@ class Scheduler:
         self.kv.forget(request)
         self._unsend(request)
         request.finish(status, self.clock(), reason)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.num_followers -= request.prefill_leader is not None
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             if request.params.pooling is None:   # an embedding's zero output says nothing of generation lengths
                 self.admission.observe(request)

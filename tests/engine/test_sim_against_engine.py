@@ -22,7 +22,9 @@ OPTIONS = dict(num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_t
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_replayed_engine_run_schedules_identically(make_engine, seed):
     engine = make_engine(**OPTIONS)
-    wl = WorkloadSpec(num_requests=30, rate=300, prompt_len="3:30", output_len="2:20", prefix_groups=2,
+    # Nearly a burst (the run is in real time): queueing, preemptions and prefix hits must not
+    # depend on how fast this machine's steps are (at 300 req/s a fast one had no preemption).
+    wl = WorkloadSpec(num_requests=30, rate=3000, prompt_len="3:30", output_len="2:20", prefix_groups=2,
                       prefix_len=8, prefix_share=0.5, priorities={0: 0.8, 1: 0.2}, seed=seed).generate()
     timeline: list[float] = []
     real, trace = run_on_engine(engine, wl, seed=seed, detail=True, timeline=timeline)
@@ -73,3 +75,29 @@ def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
     assert trace.records[-1].kv_usage == 0.0 and all(r.dt > 0 for r in trace.records)
     events = json.loads((tmp_path / "steps.chrome.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == len(trace.records)
+
+
+def test_profile_measures_both_sides_of_each_kernel_switch(make_engine):
+    """The runner reports where its kernel path changes (the GEMV's width), and the profile's decode
+    sweep has a knot on each side of it, so no straight line is drawn across the switch."""
+    from conveyor.model.cpu_kernels import cpu_kernels
+    from conveyor.profile import dispatch_thresholds, step_shapes
+
+    engine = make_engine(max_num_seqs=16)
+    model = engine.runner.model
+    if cpu_kernels("cpu", next(model.parameters()).dtype) is None:
+        pytest.skip("C++ kernels not built here")
+    if not dispatch_thresholds(engine):
+        model.cpu_linears(packed=False, gemv_max=5)
+    width = dispatch_thresholds(engine)["gemv_tokens"]
+    assert dispatch_thresholds(engine).get("fused_decode_tokens") in (None, width)
+
+    class Count:   # how many sequences each decode shape schedules
+        def seq(self, computed, num_tokens):
+            return num_tokens
+
+    decodes = {len(build(Count())) for kind, build in step_shapes(engine, quick=True) if kind == "decode"}
+    assert {width, width + 1} <= decodes
+    measured = profile(engine, quick=True, repeats=1, progress=False)
+    assert measured.meta["dispatch_thresholds"]["gemv_tokens"] == width
+    assert {width, width + 1} <= set(measured.knots)
