@@ -89,7 +89,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
                 dtype: torch.dtype = torch.float32, tp=None) -> LlamaForCausalLM:
     """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it."""
     from conveyor.model.attention import make_attention_backend
-    from conveyor.model.linear import gemv_tokens, prefer_packed
+    from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
     from conveyor.model.shard import Shard
 
@@ -113,6 +113,9 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     mlp = (cfg.hidden_size, 2 * cfg.intermediate_size)
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
     gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes)
+    if gemv_max:   # one batch-1 step's matmul weights: the decoder layers' and the LM head
+        configure_gemv_prefetch(dtype, [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+                                + [model.lm_head_weight()])
     if any(packed.values()) or gemv_max:
         model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
     return model.eval()

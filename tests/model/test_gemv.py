@@ -42,6 +42,23 @@ def test_gemv_equals_fp64_matmul(dtype, M, N, K, bias):
     assert ((got.double() - exact).abs() <= rounding + 1e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_prefetch_switch_changes_no_result(dtype):
+    """The probe-chosen switch (software prefetch in one-token passes) is speed only: the same
+    bits either way, for every row count (only one-token passes read it)."""
+    before = kernels.gemv_prefetch_single()
+    try:
+        for M in (1, 2, 9):
+            x, w, b = _operands(M, 130, 1000, dtype, True, seed=M)
+            kernels.set_gemv_prefetch_single(True)
+            on = kernels.gemv(x, w, b)
+            kernels.set_gemv_prefetch_single(False)
+            assert not kernels.gemv_prefetch_single()
+            assert torch.equal(kernels.gemv(x, w, b), on)
+    finally:
+        kernels.set_gemv_prefetch_single(before)
+
+
 def test_gemv_rejects_bad_operands():
     x, w, _ = _operands(2, 8, 16, torch.float32, False, 0)
     with pytest.raises(RuntimeError):

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_", &rope_, "rotate-half RoPE in place on [T, heads, d] (fp32 or bf16)");
     m.def("write_kv", &write_kv, "write new K and V rows into the paged caches through the slot mapping");
     m.def("gemv", &gemv, "x W^T (+ b) for a few token rows, streaming a plain row-major weight (fp32 or bf16)");
+    m.def("set_gemv_prefetch_single", &set_gemv_prefetch_single, "software prefetch in one-token GEMV passes (speed only)");
+    m.def("gemv_prefetch_single", &gemv_prefetch_single, "whether one-token GEMV passes prefetch");
     m.def("decode_layers", &decode_layers, "every decoder layer of a decode step of a few tokens, matmuls on the GEMV");
     m.def("argmax_rows", &argmax_rows, "greedy token per row: (first argmax, max or NaN if non-finite)");
 }

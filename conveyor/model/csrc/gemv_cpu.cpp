@@ -22,20 +22,26 @@ constexpr int rows_for(int M) { return M <= 4 ? 4 : 2; }
 // ~0.8x of the bandwidth a plain sum over memory reaches, this ~0.95x (measured on a 2-core
 // Xeon; 4-16 KiB all did about as well).
 constexpr int64_t kPrefetchBytes = 8192;
+// Whether one-token passes prefetch too. On an EPYC Zen5 a one-token pass streamed 8-10% faster
+// on the hardware prefetchers alone, while passes of 2+ tokens were 20-50% slower without the
+// software prefetch; on the Xeon it paid at one token as well. So it is a run-time choice, made
+// by a probe at model build (linear.py) and set through set_gemv_prefetch_single. It never
+// changes a result.
+bool g_prefetch_single = true;
 
 #if defined(__AVX512F__)
 // Rows [n, n + R) against M token rows: 16-lane fp32 partial sums in acc[r][m].
-template <typename T, int M, int R>
+template <typename T, int M, int R, bool PF>
 inline void dot_block(const T* __restrict x, int64_t ldx, const T* __restrict w, int64_t K, __m512 (&acc)[R][M]);
 
 #if defined(__AVX512BF16__)
-template <int M, int R>
+template <int M, int R, bool PF>
 inline void dot_block_bf16(const at::BFloat16* __restrict x, int64_t ldx, const at::BFloat16* __restrict w, int64_t K,
                            __m512 (&acc)[R][M]) {
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         for (int r = 0; r < R; ++r)
-            _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T1);
+            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T1);
         __m512bh xv[M];
         for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
         for (int r = 0; r < R; ++r) {
@@ -56,13 +62,13 @@ inline void dot_block_bf16(const at::BFloat16* __restrict x, int64_t ldx, const 
 #endif
 
 // Widened FMAs (fp32 weights, or bf16 on AVX-512 CPUs without bf16 dot products).
-template <typename T, int M, int R>
+template <typename T, int M, int R, bool PF>
 inline void dot_block_fma(const T* __restrict x, int64_t ldx, const T* __restrict w, int64_t K,
                           __m512 (&acc)[R][M]) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         for (int r = 0; r < R; ++r)
-            _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T1);
+            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T1);
         __m512 xv[M];
         for (int m = 0; m < M; ++m) xv[m] = conveyor::load16(x + m * ldx + k);
         for (int r = 0; r < R; ++r) {
@@ -77,20 +83,20 @@ inline void dot_block_fma(const T* __restrict x, int64_t ldx, const T* __restric
                                                                                             widen(w[r * K + k]))));
 }
 
-template <typename T, int M, int R>
+template <typename T, int M, int R, bool PF>
 inline void dot_block(const T* __restrict x, int64_t ldx, const T* __restrict w, int64_t K, __m512 (&acc)[R][M]) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-        dot_block_bf16<M, R>(x, ldx, w, K, acc);
+        dot_block_bf16<M, R, PF>(x, ldx, w, K, acc);
         return;
     }
 #endif
-    dot_block_fma<T, M, R>(x, ldx, w, K, acc);
+    dot_block_fma<T, M, R, PF>(x, ldx, w, K, acc);
 }
 #endif
 
 // Rows [n0, n1) of the output for M (<= kMaxM) token rows.
-template <typename T, int M, int R = rows_for(M)>
+template <typename T, int M, bool PF = true, int R = rows_for(M)>
 void gemv_rows(const T* x, int64_t ldx, const T* w, const T* bias, T* y, int64_t ldy, int64_t K, int64_t n0,
                int64_t n1) {
     int64_t n = n0;
@@ -99,7 +105,7 @@ void gemv_rows(const T* x, int64_t ldx, const T* w, const T* bias, T* y, int64_t
         __m512 acc[R][M];
         for (int r = 0; r < R; ++r)
             for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-        dot_block<T, M, R>(x, ldx, w + n * K, K, acc);
+        dot_block<T, M, R, PF>(x, ldx, w + n * K, K, acc);
         for (int r = 0; r < R; ++r) {
             const float b = bias ? widen(bias[n + r]) : 0.f;
             for (int m = 0; m < M; ++m) narrow(_mm512_reduce_add_ps(acc[r][m]) + b, y + m * ldy + n + r);
@@ -133,7 +139,10 @@ void gemv_impl(const torch::Tensor& x, const torch::Tensor& w, const T* bias, to
             const T* xm = xp + m * K;
             T* ym = yp + m * N;
             switch (std::min<int64_t>(kMaxM, M - m)) {
-                case 1: gemv_rows<T, 1>(xm, K, wp, bias, ym, N, K, n0, n1); break;
+                case 1:
+                    if (g_prefetch_single) gemv_rows<T, 1, true>(xm, K, wp, bias, ym, N, K, n0, n1);
+                    else gemv_rows<T, 1, false>(xm, K, wp, bias, ym, N, K, n0, n1);
+                    break;
                 case 2: gemv_rows<T, 2>(xm, K, wp, bias, ym, N, K, n0, n1); break;
                 case 3: gemv_rows<T, 3>(xm, K, wp, bias, ym, N, K, n0, n1); break;
                 case 4: gemv_rows<T, 4>(xm, K, wp, bias, ym, N, K, n0, n1); break;
@@ -163,3 +172,6 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     return y;
 }
 
+
+void set_gemv_prefetch_single(bool on) { g_prefetch_single = on; }
+bool gemv_prefetch_single() { return g_prefetch_single; }

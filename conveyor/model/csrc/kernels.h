@@ -17,6 +17,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> argmax_rows(torch::Tensor x);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void set_gemv_prefetch_single(bool on);
+bool gemv_prefetch_single();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
