@@ -5,8 +5,9 @@
   Such a matmul is bound by reading the weight; oneDNN adds ~15-20 us of fixed cost per call
   (at batch 1 a third of the step over the ~120 matmuls of the demo model), and MKL's fp32
   matmul at 4-8 rows reads the weight about twice as slowly.
-- **More tokens:** oneDNN prepacked weights, per weight shape where measured faster. ``torch.ops.mkldnn._reorder_linear_weight`` lays a
-  weight out once in oneDNN's blocked format (AMX tiles where the CPU has them);
+- **More tokens:** oneDNN prepacked weights, per weight shape where measured faster.
+  ``torch.ops.mkldnn._reorder_linear_weight`` lays a weight out once in oneDNN's blocked format
+  (AMX tiles where the CPU has them);
   ``_linear_pointwise`` then multiplies without repacking it on every call — the part that
   dominates small-batch matmuls. It pays for bf16 on AMX CPUs (1.5-2x at decode batch sizes);
   for fp32 it is about even.
@@ -14,8 +15,9 @@
 
 Both choices are measured on the model's own shapes (prepacking per shape, at the token counts
 it would serve; the GEMV on the largest layer shape, streaming from memory), interleaved, with a
-margin, and remembered per machine (probe_cache.py), since the CPUs of these machines vary. When both apply, the layer holds its weight twice (plain for the GEMV,
-packed for the rest): one more copy of the layer weights in memory, none more read per step.
+margin, and remembered per machine (probe_cache.py), since the CPUs of these machines vary. When
+both apply, the layer holds its weight twice (plain for the GEMV, packed for the rest): one more
+copy of the layer weights in memory, none more read per step.
 ``CONVEYOR_PACKED_LINEAR=off`` and ``CONVEYOR_GEMV=off`` turn either off, for comparisons.
 """
 

@@ -114,7 +114,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
     gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes)
     if gemv_max:   # one batch-1 step's matmul weights: the decoder layers' and the LM head
-        configure_gemv_prefetch(dtype, [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        configure_gemv_prefetch(dtype, [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
                                 + [model.lm_head_weight()])
     if any(packed.values()) or gemv_max:
         model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
