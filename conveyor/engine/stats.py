@@ -41,6 +41,8 @@ class EngineStats:
     step_prefill_tokens: int = 0          # of the latest step
     step_decode_tokens: int = 0           # of the latest step
     prompt_tokens_total: int = 0          # prefill tokens computed (recomputation included)
+    prompt_tokens_started: int = 0        # whole prompts of sequences that produced a first token (vLLM's)
+    prompt_tokens_cached: int = 0         # of those, read from the prefix cache at first admission
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_swaps_out: int = 0

@@ -41,6 +41,8 @@ class SchedulerStats:
     step_prefill_tokens: int = 0
     step_decode_tokens: int = 0
     prompt_tokens_total: int = 0          # prefill tokens computed (recomputation included)
+    prompt_tokens_started: int = 0        # whole prompts of sequences that produced a first token (vLLM's)
+    prompt_tokens_cached: int = 0         # of those, read from the prefix cache at first admission
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_swaps_out: int = 0
@@ -563,6 +565,9 @@ class Scheduler:
             self.kv.publish_full_blocks(req)
             token = model_out.sampled[s.request_id] if s.sample else None
             if token is not None:
+                if req.metrics.first_token_time is None:   # vLLM counts a prompt whole, once, here
+                    self.stats.prompt_tokens_started += req.num_prompt_tokens
+                    self.stats.prompt_tokens_cached += req.metrics.num_cached_tokens
                 req.append_token(token, now)
                 self.stats.generation_tokens_total += 1
                 touched.append(req)

@@ -141,8 +141,11 @@ def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> It
                       + (note and note + "hits."), lambda s: block_tokens(s.prefix_cache_hits, s))
     yield counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                   lambda s: s.num_preemptions)
-    yield counter("prompt_tokens", "Number of prefill tokens processed (computed: recomputation included, "
-                  "prefix-cache hits not).", lambda s: s.prompt_tokens_total)
+    yield counter("prompt_tokens", "Number of prefill tokens processed (each prompt whole, once, when its "
+                  "first token is out: prefix-cache hits included, recomputation not; as vLLM counts).",
+                  lambda s: s.prompt_tokens_started)
+    yield counter("prompt_tokens_cached", "Number of cached prompt tokens (read from the prefix cache), of "
+                  "vllm:prompt_tokens.", lambda s: s.prompt_tokens_cached)
     yield counter("generation_tokens", "Number of generation tokens processed.",
                   lambda s: s.generation_tokens_total)
     info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config (always 1).",

@@ -22,7 +22,8 @@ PRODUCTION_STACK_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waitin
                           "vllm:gpu_prefix_cache_hit_rate", "vllm:gpu_prefix_cache_hits_total",
                           "vllm:gpu_prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                           "vllm:prefix_cache_queries_total")
-DASHBOARD_NAMES = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+DASHBOARD_NAMES = ("vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
+                   "vllm:generation_tokens_total",
                    "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                    "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
                    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_count")
@@ -105,10 +106,10 @@ def test_every_vllm_name_is_served_with_the_conveyor_value(server):
     r = client.completions.create(model=model, prompt=preamble + "One.", n=2, max_tokens=4, temperature=0.7,
                                   extra_body={"ignore_eos": True})
     assert len(r.choices) == 2
-    client.completions.create(model=model, prompt=preamble + "Two.", max_tokens=3,   # a prefix-cache hit
-                              extra_body={"ignore_eos": True})
-    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                   extra_body={"ignore_eos": True})
+    two = client.completions.create(model=model, prompt=preamble + "Two.", max_tokens=3,   # a prefix-cache hit
+                                    extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, extra_body={"ignore_eos": True})
     server.wait_idle()
     values, types, samples = scrape(server.http)
 
@@ -121,7 +122,11 @@ def test_every_vllm_name_is_served_with_the_conveyor_value(server):
     def delta(key: str) -> float:
         return values[key] - before.get(key, 0.0)
 
-    assert delta("vllm:prompt_tokens_total") == delta("conveyor:prompt_tokens_total") > 0
+    # vLLM's semantics: every sequence's prompt whole (n = 2 counts it twice), cache hits included;
+    # Conveyor's own counter: the tokens computed (the second sequence and the hits are not)
+    prompts = 2 * r.usage.prompt_tokens + two.usage.prompt_tokens + chat.usage.prompt_tokens
+    assert delta("vllm:prompt_tokens_total") == prompts > delta("conveyor:prompt_tokens_total") > 0
+    assert 16 <= delta("vllm:prompt_tokens_cached_total") < prompts
     assert delta("vllm:generation_tokens_total") == delta("conveyor:generation_tokens_total") == 2 * 4 + 3 + 3
     hits = values["conveyor:prefix_cache_hits_total"]
     queries = values["conveyor:prefix_cache_queries_total"]
