@@ -377,13 +377,6 @@ def _prefix_router_class():
                 held.pop(0)
             super().on_send_request(replica_id)
 
-        def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:
-            # The replica's own count, whenever Serve learns it (probes, rejections): it resets the
-            # local tally, which a send the replica rejected would otherwise leave one too high
-            # for good (no decrement follows a rejection).
-            self._inflight[replica_id] = max(0, int(num_ongoing_requests))
-            super().on_new_queue_len_info(replica_id, num_ongoing_requests)
-
         def decrement_queue_len_cache(self, replica_id) -> None:
             self._inflight[replica_id] = max(0, self._inflight.get(replica_id, 0) - 1)
             super().decrement_queue_len_cache(replica_id)

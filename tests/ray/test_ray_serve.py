@@ -189,20 +189,3 @@ def test_killed_replica_fails_only_its_requests_and_serve_replaces_it(ray_serve,
     for c in r.choices:   # both replicas serve again (the replacement with an empty cache)
         assert expected[prompts[c.index]].startswith(c.text)
 
-
-def test_router_resyncs_in_flight_counts_from_the_replicas_own(monkeypatch):
-    """A send the replica rejects is counted (on_send_request) but no decrement follows; the
-    replica's own count, when Serve learns it, replaces the tally, so it cannot drift for good."""
-    from ray.serve.request_router import RequestRouter
-
-    from conveyor.ray.serve import PrefixRouter
-
-    monkeypatch.setattr(RequestRouter, "on_send_request", lambda self, rid: None)
-    monkeypatch.setattr(RequestRouter, "on_new_queue_len_info", lambda self, rid, n: None)
-    router = object.__new__(PrefixRouter)
-    router.initialize_state()
-    for _ in range(3):   # three sends, two of them rejected by the replica
-        router.on_send_request("r1")
-    assert router._inflight["r1"] == 3
-    router.on_new_queue_len_info("r1", 1)
-    assert router._inflight["r1"] == 1
