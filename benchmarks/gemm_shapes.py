@@ -5,8 +5,7 @@ Backends (each where it exists on this machine and dtype):
 
 - ``mkl``: ``F.linear`` (MKL's sgemm for fp32; torch routes bf16 to oneDNN);
 - ``onednn``: oneDNN with the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``);
-- ``gemv``: Conveyor's C++ small-batch kernel (up to 8 tokens);
-- ``gemm``: Conveyor's C++ blocked GEMM (csrc/gemm_cpu.cpp), where built.
+- ``gemv``: Conveyor's C++ small-batch kernel (up to 8 tokens).
 
 The shapes are the demo model's (SmolLM2-135M: qkv 576x960, o 576x576, gate_up 576x3072, down
 1536x576, LM head 576x49152) at 1-512 tokens. "Peak" is the best rate any backend reaches on a
@@ -44,9 +43,6 @@ def backends(dtype: torch.dtype, w: torch.Tensor) -> dict:
     kernels = cpu_kernels("cpu", dtype)
     if kernels is not None:
         out["gemv"] = lambda x: kernels.gemv(x, w, None) if x.shape[0] <= MAX_GEMV_TOKENS else None
-        if hasattr(kernels, "gemm"):
-            packed = kernels.gemm_pack(w)
-            out["gemm"] = lambda x: kernels.gemm(x, packed, None)
     return out
 
 

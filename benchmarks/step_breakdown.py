@@ -53,10 +53,12 @@ class Timers:
         self.seconds = defaultdict(float)
         self.flops = defaultdict(float)
         self.calls = defaultdict(int)
+        self.wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, attr: str, key, flops=None):
         """Replace obj.attr by a timed call; `key` is a name or a function of the call's arguments."""
         inner = getattr(obj, attr)
+        self.wrapped.append((obj, attr, obj.__dict__.get(attr)))
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -71,6 +73,14 @@ class Timers:
 
         setattr(obj, attr, timed)
 
+    def restore(self) -> None:
+        """Undo every wrap (the CpuLinear class is shared by the next run's engine)."""
+        for obj, attr, before in reversed(self.wrapped):
+            if before is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, before)
+
 
 def instrument(llm: LLM) -> Timers:
     tm = Timers()
@@ -83,18 +93,8 @@ def instrument(llm: LLM) -> Timers:
         shape = SHAPE_NAMES.get((self.in_features, self.out_features), "lm_head")
         return f"matmul {shape} {path} {bucket(x.shape[0])}"
 
-    original = CpuLinear.forward
-
-    def linear_forward(self, x):
-        t = time.perf_counter()
-        out = original(self, x)
-        k = linear_key(self, x)
-        tm.seconds[k] += time.perf_counter() - t
-        tm.calls[k] += 1
-        tm.flops[k] += 2.0 * x.shape[0] * self.in_features * self.out_features
-        return out
-
-    CpuLinear.forward = linear_forward
+    tm.wrap(CpuLinear, "forward", linear_key, flops=lambda self, x: 2.0 * x.shape[0] * self.in_features
+            * self.out_features)
     tm.wrap(model, "_fused_decode", "fused decode layers")
     backend = model.attn_backend
     tm.wrap(backend, "_prefill", "attention prefill")
@@ -117,7 +117,11 @@ def run(dtype: str, timed: bool) -> dict:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], [SamplingParams(temperature=0, max_tokens=4)], use_tqdm=False)
     tm = instrument(llm) if timed else None
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        if tm is not None:
+            tm.restore()
     wall = time.perf_counter() - t
     out = {"wall_s": wall, "output_tok_s": sum(m for _, m in reqs) / wall}
     if tm is not None:

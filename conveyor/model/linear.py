@@ -178,13 +178,8 @@ def gemv_tokens(device: torch.device | str, dtype: torch.dtype, in_features: int
     GEMV wins (measured in fp32 at one token: 1.0x over 32 MiB, 0.74x over 128 MiB)."""
     if os.environ.get("CONVEYOR_GEMV", "auto") == "off" or torch.device(device).type != "cpu":
         return 0
-    return _gemv_measured(dtype, in_features, out_features, packed, _copies(dtype, in_features, out_features,
-                                                                             model_bytes))
-
-
-def _copies(dtype: torch.dtype, in_features: int, out_features: int, model_bytes: int) -> int:
-    """Copies of one weight that stream like the model's matmul weights (capped at 128 MiB)."""
-    return max(2, min(model_bytes, 128 << 20) // (in_features * out_features * dtype.itemsize))
+    copies = max(2, min(model_bytes, 128 << 20) // (in_features * out_features * dtype.itemsize))
+    return _gemv_measured(dtype, in_features, out_features, packed, copies)
 
 
 PREFETCH_MARGIN = 0.97   # the hardware prefetchers alone must be clearly faster to drop the software one

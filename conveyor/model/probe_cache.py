@@ -40,34 +40,33 @@ _lock = threading.Lock()
 _held = threading.local()
 
 
-def cpu_info() -> tuple[str, set[str]]:
-    """(model name, flags) from /proc/cpuinfo; ("unknown", set()) where there is none."""
-    model, flags = "unknown", set()
+def _first_processor() -> dict[str, str]:
+    """/proc/cpuinfo's fields of the first processor (every one reports the same model and flags);
+    empty where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            if model != "unknown" and flags:
+            if not line.strip():
                 break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return model, flags
+    return fields
+
+
+def cpu_info() -> tuple[str, set[str]]:
+    """(model name, flags) from /proc/cpuinfo; ("unknown", set()) where there is none."""
+    fields = _first_processor()
+    return fields.get("model name") or "unknown", set(fields.get("flags", "").split())
 
 
 def cpu_family() -> str:
     """A short name of the CPU's family, for per-CPU records (benchmark results, docs tables):
     what decides which kernels exist and how MKL and oneDNN behave. From /proc/cpuinfo's vendor,
     family and model numbers and flags; "unknown" where there is none."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if not line.strip():
-                break   # the first processor is enough
-            key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
-    except OSError:
+    fields = _first_processor()
+    if not fields:
         return "unknown"
     flags = set(fields.get("flags", "").split())
     vendor, family = fields.get("vendor_id", ""), int(fields.get("cpu family", "0") or 0)

@@ -188,4 +188,3 @@ def test_killed_replica_fails_only_its_requests_and_serve_replaces_it(ray_serve,
                                   extra_body={"ignore_eos": True})
     for c in r.choices:   # both replicas serve again (the replacement with an empty cache)
         assert expected[prompts[c.index]].startswith(c.text)
-
