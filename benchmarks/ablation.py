@@ -9,8 +9,10 @@ Configurations, from the portable baseline up:
 - + C++ kernels (paged decode on the dtype's KV cache, fused norm/rope/silu, KV write, argmax);
 - + oneDNN prepacked linear weights (where the probe finds them faster: bf16 on this CPU);
 - + huge pages for the KV cache;
-- + the C++ GEMV for steps of a few tokens, with every decoder layer in one C++ call (= the
-  default engine).
+- + the C++ GEMV for steps of a few tokens, with every decoder layer in one C++ call (the
+  default engine on dense weights);
+- + the GGUF's Q4_1/Q8_0 weights computed as stored (``--quantization auto``, the default engine
+  on the demo GGUF; every row above runs it dequantized, ``--quantization none``).
 Writes benchmarks/results/ablation.json and a line in docs/benchmarks.md.
 """
 
@@ -31,7 +33,8 @@ CONFIGS = {
     "+ C++ kernels": {"CONVEYOR_PACKED_LINEAR": "off", "CONVEYOR_HUGE_PAGES": "off", "CONVEYOR_GEMV": "off"},
     "+ prepacked linears": {"CONVEYOR_HUGE_PAGES": "off", "CONVEYOR_GEMV": "off"},
     "+ huge pages": {"CONVEYOR_GEMV": "off"},
-    "+ GEMV and fused decode (default)": {},
+    "+ GEMV and fused decode": {},
+    "+ quantized weights as stored (default)": {"ABLATION_QUANTIZATION": "auto"},
 }
 
 

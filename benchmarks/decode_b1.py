@@ -5,17 +5,20 @@ bandwidth). The bandwidth is the best of 3 sums over a 1 GiB tensor with the eng
 the step, the median of 15 decode steps of one sequence (128 tokens of context) through the
 engine's ModelRunner. The machine's bandwidth drifts (other tenants share it: 22-32 GB/s seen on
 one machine within an hour), so bandwidth and steps are measured in alternation, 5 rounds, and
-each round's ratio uses that round's bandwidth; the table gives the medians. Three variants of
-the same engine, switched in place:
+each round's ratio uses that round's bandwidth; the table gives the medians. All engines are
+loaded first and measured in the same rounds. Variants of each engine, switched in place:
 
 - ``onednn``: every matmul through oneDNN (prepacked where that pays) or F.linear;
 - ``gemv``: matmuls of <= a few tokens through the C++ GEMV (csrc/gemv_cpu.cpp), Python layer loop;
 - ``gemv+fused``: the same, all decoder layers in one C++ call (csrc/decode_layers_cpu.cpp) --
-  what the engine runs.
+  what the engine runs with ``--quantization none``;
+- ``quant`` / ``quant+fused``: the GGUF's Q4_1/Q8_0 blocks as stored (csrc/quant_cpu.cpp), Python
+  layer loop / one C++ call -- what the engine runs by default on a GGUF (``--quantization auto``).
+  Its floor is the quantized bytes read per token (96 MB for the demo model against 538 in fp32).
 
 The issue's bar: step <= 1.5x the floor.
 
-    python benchmarks/decode_b1.py [--dtypes float32,bfloat16]
+    python benchmarks/decode_b1.py [--dtypes float32,bfloat16] [--quantization none,auto]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from common import save
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
 from conveyor.model.linear import CpuLinear
+from conveyor.model.quant import QuantLinear
 from conveyor.profile import _Plans
 
 ROUNDS = 5
@@ -46,6 +50,12 @@ def bandwidth(x: torch.Tensor) -> float:
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes a decode step reads: every matmul weight and the LM head (the embedding lookup reads a row)."""
+    model = engine.runner.model
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if quant:   # the blocks as stored (the tied LM head shares the embedding's)
+        head = [] if isinstance(model.cpu_lm_head, QuantLinear) else [model.lm_head_weight()]
+        return sum(m.qweight.numel() for m in {id(m): m for m in [*quant, model.cpu_lm_head]}.values()
+                   if isinstance(m, QuantLinear)) + sum(h.numel() * h.itemsize for h in head)
     m = engine.model_config
     per_layer = m.hidden_size * (m.q_size + 2 * m.kv_size) + m.q_size * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
     params = m.num_hidden_layers * per_layer + m.vocab_size * m.hidden_size
@@ -57,12 +67,14 @@ class Variants:
 
     def __init__(self, engine: Engine):
         self.model = engine.runner.model
-        self.linears = [m for m in self.model.modules() if isinstance(m, CpuLinear)] + \
-            ([self.model.cpu_lm_head] if self.model.cpu_lm_head is not None else [])
+        self.linears = [m for m in [*self.model.modules(), self.model.cpu_lm_head] if isinstance(m, CpuLinear)]
         self.gemv = {id(m): m.gemv_max for m in self.linears}
         self.fused = self.model.fused_decode_tokens
+        self.quant = any(isinstance(m, QuantLinear) for m in self.model.modules())
 
     def names(self) -> list[str]:
+        if self.quant:
+            return ["quant", "quant+fused"] if self.fused else ["quant"]
         out = ["onednn"]
         if any(self.gemv.values()):
             out.append("gemv")
@@ -73,7 +85,7 @@ class Variants:
     def use(self, name: str) -> None:
         for m in self.linears:
             m.gemv_max = 0 if name == "onednn" else self.gemv[id(m)]
-        self.model.fused_decode_tokens = self.fused if name == "gemv+fused" else 0
+        self.model.fused_decode_tokens = self.fused if name.endswith("+fused") else 0
 
 
 def decode_step(engine: Engine, plan, steps: int = 15) -> float:
@@ -90,32 +102,43 @@ def decode_step(engine: Engine, plan, steps: int = 15) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--quantization", default="none,auto", help="GGUF weights dequantized (none), as stored (auto)")
     args = ap.parse_args()
     x = torch.ones((1 << 30) // 4)
     x.sum()
-    rows = {}
-    for dtype in args.dtypes.split(","):
-        engine = Engine(EngineConfig(dtype=dtype, cost_model="none"))
+    # Every engine loaded first, then measured round by round in alternation (the machine's memory
+    # speed drifts by 2x within an hour): rows of one run compare, and so do per-round ratios.
+    setups = {}
+    for dtype, quant in [(d, q) for d in args.dtypes.split(",") for q in args.quantization.split(",")]:
+        engine = Engine(EngineConfig(dtype=dtype, quantization=quant, cost_model="none"))
         plans = _Plans(engine)
-        plan = plans.plan([plans.seq(128, 1)])
-        variants = Variants(engine)
-        wbytes = weight_bytes(engine)
-        bws, steps = [], {n: [] for n in variants.names()}
-        for _ in range(ROUNDS):
-            bws.append(bandwidth(x))
-            for name in steps:
+        key = dtype if quant == "none" else f"{dtype}/quantized"
+        setups[key] = (engine, plans.plan([plans.seq(128, 1)]), Variants(engine), weight_bytes(engine))
+    bws, steps = [], {key: {n: [] for n in v.names()} for key, (_, _, v, _) in setups.items()}
+    for _ in range(ROUNDS):
+        bws.append(bandwidth(x))
+        for key, (engine, plan, variants, _) in setups.items():
+            for name in steps[key]:
                 variants.use(name)
-                steps[name].append(decode_step(engine, plan))
-        variants.use(variants.names()[-1])
-        rows[dtype] = {"weights_mb": wbytes / 1e6, "bandwidth_gb_s": statistics.median(bws) / 1e9,
-                       "bandwidth_rounds_gb_s": [b / 1e9 for b in bws], "variants": {
-                           name: {"step_ms": 1e3 * statistics.median(ts),
-                                  "ratio": statistics.median(t * bw / wbytes for t, bw in zip(ts, bws))}
-                           for name, ts in steps.items()}}
-        print(dtype, rows[dtype], flush=True)
+                steps[key][name].append(decode_step(engine, plan))
+            variants.use(variants.names()[-1])
+    rows = {}
+    for key, (engine, plan, variants, wbytes) in setups.items():
+        rows[key] = {"weights_mb": wbytes / 1e6, "bandwidth_gb_s": statistics.median(bws) / 1e9,
+                     "bandwidth_rounds_gb_s": [b / 1e9 for b in bws], "variants": {
+                         name: {"step_ms": 1e3 * statistics.median(ts),
+                                "ratio": statistics.median(t * bw / wbytes for t, bw in zip(ts, bws))}
+                         for name, ts in steps[key].items()}}
+        dense = key.removesuffix("/quantized")
+        if dense != key and dense in steps:   # the quantized step against the dense one, round by round
+            last, dense_last = list(steps[key])[-1], list(steps[dense])[-1]
+            rows[key]["speedup_vs_dense"] = statistics.median(
+                d / q for d, q in zip(steps[dense][dense_last], steps[key][last]))
+        print(key, rows[key], flush=True)
     line = "; ".join(
         f"{d}: {r['weights_mb']:.0f} MB of weights, {r['bandwidth_gb_s']:.1f} GB/s; step / weight-read time: " + ", ".join(
-            f"{n} {v['step_ms']:.1f} ms = {v['ratio']:.2f}x" for n, v in r["variants"].items())
+            f"{n} {v['step_ms']:.1f} ms = {v['ratio']:.2f}x" for n, v in r["variants"].items()) +
+        (f" ({r['speedup_vs_dense']:.2f}x faster than dense)" if "speedup_vs_dense" in r else "")
         for d, r in rows.items())
     save("decode_b1", {"rounds": ROUNDS, "rows": rows}, line)
 

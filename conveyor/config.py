@@ -17,6 +17,7 @@ from conveyor.config_fields import check_choice, option
 from conveyor.scheduler.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "weight-only", "none")   # as conveyor.model.quant.QUANTIZATIONS (no torch here)
 
 
 @dataclass(slots=True)
@@ -27,6 +28,12 @@ class EngineConfig:
     dtype: str = option("auto", "weights, activations and KV cache dtype; auto: bfloat16 on CPUs with native bf16 "
                                 "matmuls (AMX or AVX512-BF16) and GPUs, else float32, the same at every start "
                                 "(float16: CUDA only)", choices=DTYPES)
+    quantization: str = option(
+        "auto", "GGUF weights: auto computes the matmuls of Q4_0/Q4_1/Q8_0 tensors from their blocks as stored "
+                "(CPU, C++ kernels; other types are dequantized at load), with activations rounded to int8 per "
+                "block of 32 where the CPU has AVX512-VNNI (as llama.cpp does); weight-only keeps fp32 "
+                "activations (the dequantized model's results up to summation order); none dequantizes every "
+                "tensor to dtype at load", choices=QUANTIZATIONS)
     block_size: int = option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = option(None, "KV cache size in blocks (overrides kv_cache_gib)")
     kv_cache_gib: float = option(1.0, "memory for the KV cache, in GiB")
@@ -68,6 +75,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

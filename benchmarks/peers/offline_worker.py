@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 
@@ -43,7 +44,9 @@ def run_vllm(model: str, dtype: str, reqs, max_num_seqs: int) -> float:
 def run_conveyor(model: str, dtype: str, reqs, max_num_seqs: int) -> float:
     from conveyor import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_gib=2.0)
+    # The same weights as the peer: dequantized unless asked (benchmarks/ablation.py's last row).
+    quantization = os.environ.get("ABLATION_QUANTIZATION", "none")
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_gib=2.0, quantization=quantization)
     return timed(lambda p, s: llm.generate(p, s, use_tqdm=False), reqs, lambda ids: {"prompt_token_ids": ids},
                  lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
 

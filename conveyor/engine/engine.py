@@ -50,7 +50,7 @@ class EngineBackend:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         if loaded is not None:   # a model already in memory runs in its own dtype
-            dtype = loaded.model.embed_tokens.weight.dtype
+            dtype = loaded.model.dtype
         else:
             dtype = getattr(torch, resolve_dtype(config.dtype, config.device))
             if dtype == torch.float16 and torch.device(config.device).type == "cpu":
@@ -61,7 +61,8 @@ class EngineBackend:
             if loaded is not None:
                 raise ValueError("tensor parallelism loads its slices itself: pass a model path, not a loaded model")
             tp, loaded = self._start_tensor_parallel(config, dtype)
-        self.loaded = loaded or load_model(config.model, config.device, dtype, tokenizer=config.tokenizer)
+        self.loaded = loaded or load_model(config.model, config.device, dtype, tokenizer=config.tokenizer,
+                                           quantization=config.quantization)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name

@@ -15,7 +15,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp",
-                                             "decode_layers_cpu.cpp")]
+                                             "decode_layers_cpu.cpp", "quant_cpu.cpp")]
 
 
 def _cpu_flags() -> list[str]:
@@ -25,6 +25,8 @@ def _cpu_flags() -> list[str]:
     out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
     if "avx512_bf16" in flags and "avx512f" in flags:
         out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
+    if "avx512_vnni" in flags and "avx512bw" in flags:
+        out += ["-mavx512vnni", "-mavx512bw"]
     return out
 
 

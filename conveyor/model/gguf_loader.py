@@ -1,10 +1,12 @@
-"""GGUF -> HF-named fp32 weights and config, cached as safetensors.
+"""GGUF -> HF-named weights and config: fp32 cached as safetensors (``--quantization none``), or
+the Q4_0/Q4_1/Q8_0 matmul weights kept as stored (quant.py), read straight from the file.
 
 llama.cpp stores the Q and K projections of "llama" models with their rows permuted for its
 interleaved RoPE; we undo that so that one rotate-half RoPE serves every checkpoint. The
 conversion (dequantizing every tensor) is paid once per file: the result is cached under
 ``$CONVEYOR_CACHE_DIR`` (default ``~/.cache/conveyor``) keyed by the file's size, mtime and
-a hash of its header.
+a hash of its header. With quantized weights kept as stored only the config and the tokenizer are
+cached there (no dense copy of the weights on disk).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from conveyor.model.config import ModelConfig, UnsupportedModelError
 from conveyor.paths import cache_dir
@@ -92,26 +95,49 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _group_key(hf_name: str) -> str | None:
+    """The fused matmul a weight joins (q/k/v -> qkv, gate/up -> gate_up), or None."""
+    for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
+        for p in parts:
+            if f".{p}." in hf_name:
+                return hf_name.replace(p, fused)
+    return None
+
+
+def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
+    """HF-named tensors: fp32 numpy arrays, and, for 2-D weights stored in a type of `native`,
+    ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). Pieces of one
+    fused matmul (q/k/v, gate/up) stay quantized only if all of them are, in one type."""
     from gguf.quants import dequantize
 
+    from conveyor.model.quant import QuantTensor
+
     permute = cfg.model_type in _PERMUTED_ARCHS
-    out = {}
+    out, kinds = {}, {}
     for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_QUANTS:
-            raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {t.tensor_type.name}")
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_QUANTS:
+            raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {kind}")
+        name = _hf_name(t.name)
+        keep = kind in native and len(t.shape) == 2
+        w = np.array(t.data) if keep else np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_attention_heads)
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_key_value_heads)
-        out[_hf_name(t.name)] = w
+        out[name] = QuantTensor(torch.from_numpy(np.ascontiguousarray(w)), kind, int(t.shape[0])) if keep else w
+        kinds.setdefault(_group_key(name), set()).add(kind if keep else None)
+    for name, w in out.items():   # a fused matmul with mixed pieces: all of them dense
+        group = _group_key(name)
+        if isinstance(w, QuantTensor) and group is not None and len(kinds[group]) > 1:
+            out[name] = w.dequantize().numpy()
     return out
 
 
-def convert_gguf(path: str | Path) -> Path:
-    """Convert a GGUF file into a cached HF-style directory: config.json, model.safetensors and
-    the tokenizer files (so that a cached load does not even parse the GGUF metadata again)."""
+def convert_gguf(path: str | Path, weights: bool = True) -> Path:
+    """Convert a GGUF file into a cached HF-style directory: config.json, the tokenizer files (so
+    that a cached load does not even parse the GGUF metadata again) and, with `weights`,
+    model.safetensors (every tensor dequantized to fp32)."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
 
@@ -120,20 +146,39 @@ def convert_gguf(path: str | Path) -> Path:
     path = Path(path)
     target = cache_dir() / f"{path.stem}-{_file_key(path)}"
     marker = target / "conversion.json"   # written last: its presence means the cache is complete
-    if marker.exists():
+    meta_marker = target / "metadata.json"   # config and tokenizer only
+    if marker.exists() or (not weights and meta_marker.exists()):
         return target
     try:
         reader = GGUFReader(path)
     except Exception as e:  # the gguf package raises assorted errors on a damaged file
         raise UnsupportedModelError(f"cannot read GGUF file {path}: {e}") from e
     cfg = gguf_config(reader)
-    tensors = gguf_tensors(reader, cfg)
     target.mkdir(parents=True, exist_ok=True)
-    tmp = target / f"model.safetensors.tmp{os.getpid()}"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, target / "model.safetensors")
+    if weights:
+        tensors = gguf_tensors(reader, cfg)
+        tmp = target / f"model.safetensors.tmp{os.getpid()}"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, target / "model.safetensors")
     (target / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
     if "tokenizer.ggml.model" in reader.fields:
         Tokenizer.from_gguf(reader).save(target)
-    marker.write_text(json.dumps({"source": str(path.resolve()), "version": _CONVERSION_VERSION}))
+    done = {"source": str(path.resolve()), "version": _CONVERSION_VERSION}
+    (marker if weights else meta_marker).write_text(json.dumps(done))
     return target
+
+
+def gguf_native_weights(path: str | Path, cfg: ModelConfig, native: tuple[str, ...]) -> dict:
+    """The file's tensors, HF-named, with the matmul weights of the `native` types as QuantTensors
+    and every other tensor as fp32 torch tensors."""
+    from gguf import GGUFReader
+
+    out = gguf_tensors(GGUFReader(path), cfg, native)
+    return {k: torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v
+            for k, v in out.items()}
+
+
+def gguf_tensor_types(path: str | Path) -> set[str]:
+    from gguf import GGUFReader
+
+    return {t.tensor_type.name for t in GGUFReader(path).tensors}

@@ -15,8 +15,9 @@ from torch import nn
 
 from conveyor.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from conveyor.model.config import ModelConfig
-from conveyor.model.linear import CpuLinear, replace_linears
+from conveyor.model.linear import MAX_GEMV_TOKENS, CpuLinear, replace_linears
 from conveyor.model.ops import CpuFusedOps, TorchOps
+from conveyor.model.quant import QuantEmbedding, QuantLinear, QuantTensor, dense_module, dense_tokens
 
 
 class RMSNorm(nn.Module):
@@ -160,13 +161,84 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows or cfg.vocab_size, bias=False)
-        self.cpu_lm_head: CpuLinear | None = None
+        self.cpu_lm_head: CpuLinear | QuantLinear | None = None
         self.fused_decode_tokens = 0   # decode steps of up to this many tokens run all layers in one C++ call
         self._fused_weights: list[list[torch.Tensor]] = []
         self.requires_grad_(False)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The dense LM head weight (None when it is quantized)."""
+        head = self.embed_tokens if self.cfg.tie_word_embeddings else getattr(self, "lm_head", None)
+        return getattr(head, "weight", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and KV cache's) dtype."""
+        return self.norm.weight.dtype
+
+    def use_quantized(self, weights: dict[str, QuantTensor], int8: bool = False, dense_copy: bool = False) -> None:
+        """Compute the matmuls whose weights are given (HF names, GGUF blocks) from them as stored:
+        QuantLinear / QuantEmbedding in place of the dense modules, before the dense weights load.
+        Fused matmuls (q/k/v, gate/up) take their pieces' rows in order. With `int8`, in the
+        int8-activation kernel's layout (rows in 16s); with `dense_copy`, each also holds a dense
+        copy for the large steps where that is measured faster (quant.dense_tokens)."""
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        layout = (lambda w: w.for_int8()) if int8 else (lambda w: w)  # noqa: E731
+        dtype = self.dtype
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            for owner, attr, names in (
+                    (layer.self_attn, "qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                    (layer.self_attn, "o_proj", ("self_attn.o_proj",)),
+                    (layer.mlp, "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                    (layer.mlp, "down_proj", ("mlp.down_proj",))):
+                pieces = [weights.get(f"{p}{n}.weight") for n in names]
+                if all(isinstance(w, QuantTensor) for w in pieces):
+                    setattr(owner, attr, self._quant_linear(layout(QuantTensor.cat(pieces)), getattr(owner, attr).bias,
+                                                            dtype, dense_copy))
+        embed = weights.get("embed_tokens.weight")
+        if isinstance(embed, QuantTensor):
+            embed = layout(embed)   # one copy for the lookup and a tied head
+            self.embed_tokens = QuantEmbedding(embed, dtype)
+        head = embed if self.cfg.tie_word_embeddings else weights.get("lm_head.weight")
+        if isinstance(head, QuantTensor):
+            head = layout(head)
+            self.cpu_lm_head = self._quant_linear(head, None, dtype, dense_copy)   # shares a tied embedding's blocks
+            if not self.cfg.tie_word_embeddings:
+                del self.lm_head
+
+    @staticmethod
+    def _quant_linear(w: QuantTensor, bias, dtype: torch.dtype, dense_copy: bool) -> QuantLinear:
+        # Int8 activations serve every step size: a token's numbers then never depend on what it is
+        # batched with (a dense path would multiply fp32 activations: 1e-4 apart after 30 layers).
+        dense_from = 0 if w.x16 else dense_tokens(dtype, w.qtype, w.in_features, w.out_features, dense_copy)
+        dense = dense_module(w, dtype) if dense_copy and dense_from else None
+        return QuantLinear(w, bias, dense_from, dense)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights held, by storage: GGUF type names for quantized blocks, else the dtype."""
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for m in self.modules():
+            for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                if t is None or t.device.type == "meta" or t.data_ptr() in seen or name in ("cos", "sin"):
+                    continue
+                seen.add(t.data_ptr())
+                kind = getattr(m, "qtype", None) if name == "qweight" else str(t.dtype).removeprefix("torch.")
+                out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+            if isinstance(m, CpuLinear):   # its tensors are plain attributes: the GEMV's weight, the packed one
+                if m.weight is not None and m.weight.data_ptr() not in seen:
+                    seen.add(m.weight.data_ptr())
+                    kind = str(m.weight.dtype).removeprefix("torch.")
+                    out[kind] = out.get(kind, 0) + m.weight.numel() * m.weight.element_size()
+                if m.packed is not None:   # oneDNN's opaque layout: no data pointer to share
+                    out["prepacked"] = out.get("prepacked", 0) + m.packed.numel() * m.packed.element_size()
+        return out
+
+    def weight_bytes_summary(self) -> str:
+        b = self.weight_bytes()
+        return f"{sum(b.values()) / 2**20:.1f} MiB (" + ", ".join(
+            f"{k} {v / 2**20:.1f}" for k, v in sorted(b.items(), key=lambda kv: -kv[1])) + ")"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
@@ -204,12 +276,20 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             replace_linears(layer, choose, gemv_max)
         head = self.lm_head_weight()
-        self.cpu_lm_head = CpuLinear(head, None, choose(head.shape[1], head.shape[0]), gemv_max)
-        if not self.cfg.tie_word_embeddings:
-            del self.lm_head   # the CpuLinear holds what is needed of it
-        if gemv_max and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
+        if head is not None:
+            self.cpu_lm_head = CpuLinear(head, None, choose(head.shape[1], head.shape[0]), gemv_max)
+            if not self.cfg.tie_word_embeddings:
+                del self.lm_head   # the CpuLinear holds what is needed of it
+        # The fused loop runs a step when every layer matmul takes it on a kernel it calls: the
+        # GEMV (dense, up to gemv_max tokens) or the quantized kernel (up to its pass width, and
+        # below the token count where the layer would go dense).
+        copies = {id(m.dense) for m in self.layers.modules() if isinstance(m, QuantLinear)}
+        widths = [m.fused_width() if isinstance(m, QuantLinear) else gemv_max for layer in self.layers
+                  for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
+        width = min(widths, default=0)
+        if width and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
                 and isinstance(self.ops, CpuFusedOps):
-            self.fused_decode_tokens = gemv_max
+            self.fused_decode_tokens = width
             self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
 
     def dispatch_thresholds(self) -> dict[str, int]:
@@ -218,7 +298,9 @@ class LlamaForCausalLM(nn.Module):
         paths are left out. A step-cost profile needs a knot on both sides of each (a straight
         line across a switch mispredicts the steps near it)."""
         gemv = max((m.gemv_max for m in self.modules() if isinstance(m, CpuLinear)), default=0)
-        out = {"gemv_tokens": gemv, "fused_decode_tokens": self.fused_decode_tokens}
+        dense = sorted({m.dense_from - 1 for m in self.modules() if isinstance(m, QuantLinear) and m.dense_from})
+        out = {"gemv_tokens": gemv, "fused_decode_tokens": self.fused_decode_tokens,
+               **{f"quant_dense_tokens_{i}": t for i, t in enumerate(dense)}}
         return {k: v for k, v in out.items() if v > 0}
 
     @staticmethod
@@ -227,10 +309,11 @@ class LlamaForCausalLM(nn.Module):
         none = torch.empty(0)
         attn, mlp = layer.self_attn, layer.mlp
         qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.cfg.qk_norm else (none, none)
+        w = lambda m: m.qweight if isinstance(m, QuantLinear) else m.weight  # noqa: E731
         return [t if t is not None else none for t in (
-            layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-            layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-            mlp.down_proj.weight, mlp.down_proj.bias, *qk)]
+            layer.input_layernorm.weight, w(attn.qkv_proj), attn.qkv_proj.bias, w(attn.o_proj),
+            layer.post_attention_layernorm.weight, w(mlp.gate_up_proj), mlp.gate_up_proj.bias,
+            w(mlp.down_proj), mlp.down_proj.bias, *qk)]
 
     def _fused_decode(self, x, positions, kv_caches, meta: AttentionMetadata):
         """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""

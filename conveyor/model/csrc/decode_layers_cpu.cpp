@@ -1,7 +1,7 @@
 // The decoder layers of a decode step of a few tokens in one call: the same kernels, in the same
 // order, as the Python layer loop (llama.py) with every matmul on the C++ GEMV -- so the same
 // numbers -- without ~30 Python-level calls and torch ops per layer, which at batch 1 cost about
-// a fifth of the step.
+// a fifth of the step. A layer's weights may be GGUF-quantized (uint8, quant_cpu.cpp) or dense.
 #include "kernels.h"
 
 namespace {
@@ -35,7 +35,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
             h = rms_norm(x, w[kInNorm], eps);
             res = x;
         }
-        auto qkv = gemv(h, w[kQkv], maybe(w[kQkvBias]));
+        auto qkv = linear_any(h, w[kQkv], maybe(w[kQkvBias]));
         auto q = qkv.narrow(1, 0, q_size).view({M, num_heads, head_dim});
         auto k = qkv.narrow(1, q_size, kv_size).view({M, num_kv_heads, head_dim});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({M, num_kv_heads, head_dim});
@@ -47,8 +47,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
         rope_(k, positions, cos, sin);
         write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
         auto attn = paged_decode(q, k_caches[i], v_caches[i], block_tables, context_lens, scale).view({M, q_size});
-        h = add_rms_norm(gemv(attn, w[kO], c10::nullopt), res, w[kPostNorm], eps);
-        x = gemv(silu_mul(gemv(h, w[kGateUp], maybe(w[kGateUpBias]))), w[kDown], maybe(w[kDownBias]));
+        h = add_rms_norm(linear_any(attn, w[kO], c10::nullopt), res, w[kPostNorm], eps);
+        x = linear_any(silu_mul(linear_any(h, w[kGateUp], maybe(w[kGateUpBias]))), w[kDown], maybe(w[kDownBias]));
     }
     return {x, res};
 }

@@ -17,6 +17,12 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> argmax_rows(torch::Tensor x);
 torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor qdequant(torch::Tensor w, int64_t K, at::ScalarType dtype);
+torch::Tensor qembedding(torch::Tensor w, torch::Tensor ids, int64_t K, at::ScalarType dtype);
+torch::Tensor qrepack(torch::Tensor w, int64_t K);
+bool quant_int8_native();
+torch::Tensor linear_any(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(

@@ -1,0 +1,229 @@
+"""GGUF-quantized weights computed as stored (``--quantization auto``, the default for GGUF files).
+
+A Q4_0, Q4_1 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
+one row of blocks per output feature) and matmuls read it through the C++ kernels
+(csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
+(fp32). Above a token count measured per dtype (``dense_tokens``) a matmul instead widens the
+weight into a temporary dense tensor and runs torch's matmul: for bf16 prefill chunks oneDNN's
+bf16 kernels beat the fp32 FMAs of the quantized kernel by ~2x; for fp32, at every size measured
+so far, the quantized kernel won (torch's fp32 matmul on AMD CPUs is slow, see linear.py).
+
+Other GGUF types (K-quants, F16, ...) are dequantized at load as with ``--quantization none``,
+which dequantizes everything to ``--dtype`` (the pre-existing path, cached on disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "weight-only", "none")   # what load_model takes (config.py lists them for the CLI)
+NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # bytes per block of 32 weights
+BLOCK = 32
+
+
+def int8_activations_native() -> bool:
+    """Whether the int8-activation kernel runs on int8 dot products here (AVX512-VNNI): a CPU
+    feature, so the same command always chooses the same numerics on a machine."""
+    kernels = _kernels()
+    return kernels is not None and bool(kernels.quant_int8_native())
+
+
+@dataclass(slots=True)
+class QuantTensor:
+    """A 2-D weight [out_features, in_features] as GGUF blocks: ``data`` uint8 [out, row bytes]."""
+    data: torch.Tensor
+    qtype: str
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0] * (16 if self.x16 else 1)
+
+    @staticmethod
+    def cat(pieces: list[QuantTensor]) -> QuantTensor:
+        """Row-wise concatenation (q/k/v, gate/up): rows of blocks are independent."""
+        first = pieces[0]
+        assert all(p.qtype == first.qtype and p.in_features == first.in_features for p in pieces)
+        return QuantTensor(torch.cat([p.data for p in pieces]), first.qtype, first.in_features)
+
+    @property
+    def x16(self) -> bool:
+        """In the int8 kernel's interleaved layout (csrc/quant_cpu.cpp), not the file's."""
+        return self.data.shape[1] == 16 * (self.in_features // BLOCK) * NATIVE_BLOCK_BYTES[self.qtype]
+
+    def for_int8(self) -> QuantTensor:
+        """This weight in the int8 kernel's layout (16 rows interleaved, the same bytes), when its
+        rows come in 16s; else itself (the fp32-activation kernel serves it)."""
+        if self.x16 or self.data.shape[0] % 16:
+            return self
+        return QuantTensor(_kernels().qrepack(self.data, self.in_features), self.qtype, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        kernels = _kernels()
+        if kernels is not None:
+            return kernels.qdequant(self.data, self.in_features, dtype)
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])).to(dtype)
+
+
+def _kernels():
+    from conveyor.model.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
+def native_available(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized matmuls can run here: CPU, fp32 or bf16 activations, the C++ kernels built."""
+    from conveyor.model.cpu_kernels import cpu_kernels
+
+    return cpu_kernels(device, dtype) is not None
+
+
+# The quantized kernel is kept up to the largest probed token count where it takes at most this
+# much of the dense path's time; above, the dense path.
+DENSE_PROBE_TOKENS = (16, 32, 64, 128, 256)
+DENSE_MARGIN = 1.1
+# A dense copy of the quantized matmuls (for large steps) is kept only while it takes at most this
+# share of the machine's memory: the demo model's bf16 copy (~200 MiB) pays 1.9x on the reference
+# workload; an 8B model's (16 GB) would not fit beside it.
+DENSE_COPY_MEMORY_SHARE = 0.25
+
+
+def dense_copy_allowed(dense_bytes: int) -> bool:
+    """Whether the quantized matmuls may also hold a dense copy for large steps (prefill chunks,
+    big decode batches): by its size against the machine's memory (``CONVEYOR_QUANT_DENSE_COPY=
+    on|off`` overrides). Without it those steps widen the weight on every call, or stay quantized."""
+    forced = os.environ.get("CONVEYOR_QUANT_DENSE_COPY", "auto")
+    if forced in ("on", "off"):
+        return forced == "on"
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return dense_bytes <= DENSE_COPY_MEMORY_SHARE * total
+
+
+@cache
+def dense_tokens(dtype: torch.dtype, qtype: str, in_features: int, out_features: int, copy: bool = False) -> int:
+    """From how many tokens a matmul on this quantized shape runs dense (on a held dense copy when
+    `copy`, prepacked where that pays, else widening the weight on each call); 0: never. Measured
+    once per machine (interleaved, a margin) and remembered; ``CONVEYOR_QUANT_DENSE=never|always``
+    overrides, for comparisons."""
+    from conveyor.model.probe_cache import remembered
+
+    forced = os.environ.get("CONVEYOR_QUANT_DENSE", "auto")
+    if forced == "never":
+        return 0
+    if forced == "always":
+        return 1
+    name = f"quant_dense_tokens/{dtype}/{qtype}{'/copy' if copy else ''}/{in_features}x{out_features}"
+    return int(remembered(name, lambda: _measure_dense(dtype, qtype, in_features, out_features, copy)))
+
+
+def dense_module(weight: QuantTensor, dtype: torch.dtype) -> nn.Module:
+    """The held dense copy (no bias: the QuantLinear adds its own): a CpuLinear on oneDNN's
+    prepacked layout where that is faster for this shape, else on the plain weight (F.linear);
+    never the GEMV (small steps stay quantized)."""
+    from conveyor.model.linear import CpuLinear, prefer_packed
+
+    packed = prefer_packed("cpu", dtype, weight.in_features, weight.out_features)
+    return CpuLinear(weight.dequantize(dtype), None, packed, 0)
+
+
+def _random_quant(qtype: str, in_features: int, out_features: int) -> QuantTensor:
+    """Random codes with small fp16 scales (and minima): what the kernels see in a real file."""
+    nb, bs = in_features // BLOCK, NATIVE_BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (out_features, nb, bs), dtype=torch.uint8)
+    header = 4 if qtype == "Q4_1" else 2
+    scales = (torch.rand(out_features, nb, header // 2) * 0.02).half().view(torch.uint8).view(out_features, nb, header)
+    data[:, :, :header] = scales
+    return QuantTensor(data.view(out_features, nb * bs).contiguous(), qtype, in_features)
+
+
+def _measure_dense(dtype: torch.dtype, qtype: str, in_features: int, out_features: int, copy: bool) -> int:
+    from conveyor.model.linear import _ratio
+
+    kernels = _kernels()
+    if kernels is None:
+        return 1
+    qt = _random_quant(qtype, in_features, out_features)
+    if copy:
+        held = dense_module(qt, dtype)
+        dense = held.forward
+    else:
+        dense = lambda x: F.linear(x, kernels.qdequant(qt.data, in_features, dtype))  # noqa: E731
+    ratios, chosen = {}, 0
+    for tokens in DENSE_PROBE_TOKENS:
+        x = torch.randn(tokens, in_features, dtype=dtype)
+        ratios[tokens] = _ratio(lambda: kernels.qgemv(x, qt.data, None), lambda: dense(x))
+    # The first count from which the dense path wins at every larger one.
+    for tokens in reversed(DENSE_PROBE_TOKENS):
+        if ratios[tokens] <= DENSE_MARGIN:
+            break
+        chosen = tokens
+    logger.info("quantized %s matmul %dx%d for %s: dense%s from %s tokens (time vs dense: %s)", qtype,
+                in_features, out_features, dtype, " copy" if copy else "", chosen or "never", ", ".join(f"{t}: {r:.2f}x" for t, r in ratios.items()))
+    return chosen
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W a QuantTensor: the quantized kernel up to ``dense_from`` - 1 tokens
+    (any count when 0), a dense weight above: the held copy `dense` (a CpuLinear), or one widened
+    for the call."""
+
+    def __init__(self, weight: QuantTensor, bias: nn.Parameter | None, dense_from: int = 0,
+                 dense: nn.Module | None = None):
+        super().__init__()
+        self.dense = dense
+        self.in_features, self.out_features, self.qtype = weight.in_features, weight.out_features, weight.qtype
+        self.x16 = weight.x16   # int8 activations (the interleaved layout), else fp32
+        self.register_buffer("qweight", weight.data, persistent=False)
+        self.bias = bias
+        self.dense_from = dense_from
+        self.kernels = _kernels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_from and x.shape[0] >= self.dense_from:
+            if self.dense is not None:
+                y = self.dense.forward(x)
+                return y if self.bias is None else y.add_(self.bias)
+            return F.linear(x, self.kernels.qdequant(self.qweight, self.in_features, x.dtype), self.bias)
+        return self.kernels.qgemv(x, self.qweight, self.bias)
+
+    def fused_width(self) -> int:
+        """Up to how many tokens the fused decode loop (csrc/decode_layers_cpu.cpp) may run this
+        matmul: one pass of the quantized kernel, below the count where it goes dense."""
+        from conveyor.model.linear import MAX_GEMV_TOKENS
+
+        return MAX_GEMV_TOKENS if not self.dense_from else min(MAX_GEMV_TOKENS, self.dense_from - 1)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.qtype}, int8={self.x16}, dense_from={self.dense_from}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings from a quantized table: only the looked-up rows are widened."""
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype):
+        super().__init__()
+        self.embedding_dim, self.num_embeddings, self.qtype = weight.in_features, weight.out_features, weight.qtype
+        self.x16 = weight.x16
+        self.register_buffer("qweight", weight.data, persistent=False)
+        self.dtype = dtype
+        self.kernels = _kernels()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qembedding(self.qweight, ids, self.embedding_dim, self.dtype).view(
+            *ids.shape, self.embedding_dim)
+

@@ -1,0 +1,216 @@
+"""GGUF-quantized weights computed as stored (conveyor/model/quant.py, csrc/quant_cpu.cpp).
+
+The reference is the `gguf` package's own dequantization: with fp32 activations the kernels must
+compute x W^T with exactly its dense W (only the order of the sums differs), and a model loaded
+with its Q4_0/Q4_1/Q8_0 weights kept as stored must give the logits of the same model
+dequantized at load (``--quantization none``), through prefill chunks, the fused decode loop and
+a tied LM head. The int8-activation kernel (interleaved layout) must compute exactly the integer
+arithmetic of its definition: activations rounded per block of 32 to int8 with scale max|x|/127.
+"""
+
+from __future__ import annotations
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+from conveyor.model.cpu_kernels import load_cpu_kernels
+from conveyor.model.gguf_loader import convert_gguf, gguf_native_weights
+from conveyor.model.loader import build_model, load_weights, read_config
+from conveyor.model.quant import BLOCK, NATIVE_BLOCK_BYTES, QuantLinear, QuantTensor, dense_module
+from model_testlib import conveyor_greedy, conveyor_prompt_logits, logit_atol, random_prompts
+from test_loader import _write_tiny_gguf
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="C++ kernels not built here")
+QTYPES = sorted(NATIVE_BLOCK_BYTES)
+
+
+def _quantized(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[QuantTensor, torch.Tensor]:
+    a = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[qtype]
+    data = gguf.quants.quantize(a, kind)
+    dense = torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32))
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(data)), qtype, cols), dense
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernels_compute_the_gguf_dequantization(qtype):
+    # 37 rows: leftovers after the kernel's 2- and 4-row groups; 13 tokens: a full and a partial pass.
+    w, dense = _quantized(qtype, 37, 96)
+    assert w.data.shape == (37, 3 * NATIVE_BLOCK_BYTES[qtype])
+    assert torch.equal(KERNELS.qdequant(w.data, 96, torch.float32), dense)
+    assert torch.equal(KERNELS.qdequant(w.data, 96, torch.bfloat16), dense.bfloat16())
+    bias = torch.randn(37)
+    for tokens in (1, 2, 3, 8, 13):
+        x = torch.randn(tokens, 96)
+        want = torch.nn.functional.linear(x, dense, bias)
+        torch.testing.assert_close(KERNELS.qgemv(x, w.data, bias), want, rtol=1e-5, atol=1e-5)
+        got16 = KERNELS.qgemv(x.bfloat16(), w.data, bias.bfloat16())
+        assert got16.dtype == torch.bfloat16
+        torch.testing.assert_close(got16.float(), torch.nn.functional.linear(x.bfloat16().float(), dense, bias),
+                                   rtol=2e-2, atol=5e-2)
+
+
+def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor) -> torch.Tensor:
+    """x W^T with x per block of 32 as two int8 terms, x ~ d q + d2 q2 (d = max|x| / 127,
+    d2 = d / 254, ties to even), in fp64; Q4_1's minima multiply the exact block sums of x."""
+    m, k = x.shape
+    xb = x.view(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    q = torch.where(amax > 0, torch.round(xb * (127 / amax)), 0.0)
+    d2 = d / 254
+    q2 = torch.where(amax > 0, torch.round((xb - d * q) * (1 / d2)).clamp(-127, 127), 0.0)
+    xq = (q.double() * d.double() + q2.double() * d2.double()).view(m, k)
+    if w.qtype != "Q4_1":
+        return xq @ dense.double().T
+    raw = w.data.view(w.out_features, k // BLOCK, NATIVE_BLOCK_BYTES["Q4_1"])
+    mins = raw[:, :, 2:4].contiguous().view(torch.float16).double().squeeze(-1)   # [out, blocks]
+    return xq @ (dense.double() - mins.repeat_interleave(BLOCK, 1)).T + xb.double().sum(-1) @ mins.T
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_kernel_computes_its_definition(qtype):
+    w, dense = _quantized(qtype, 48, 96, seed=1)
+    r = w.for_int8()
+    assert r.x16 and r.out_features == 48 and r.data.numel() == w.data.numel()
+    assert torch.equal(KERNELS.qdequant(r.data, 96, torch.float32), dense)   # the same bytes, reordered
+    ids = torch.tensor([[3, 0], [47, 17]])
+    assert torch.equal(KERNELS.qembedding(r.data, ids, 96, torch.float32), dense[ids.view(-1)])
+    assert torch.equal(KERNELS.qembedding(w.data, ids, 96, torch.float32), dense[ids.view(-1)])
+    for tokens in (1, 3, 8, 11):
+        x = torch.randn(tokens, 96)
+        x[0, :32] = 0   # an all-zero block: scale 0
+        want = _int8_reference(x, w, dense)
+        got = KERNELS.qgemv(x, r.data, None).double()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        exact = x.double() @ dense.double().T   # and two int8 terms are ~15 bits: near the exact product
+        assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
+    """In bf16 the blocks are rounded to bf16 before multiplying: the dequantized bf16 model's
+    weights, so its dense paths (the GEMV here, the held copy for large steps) and this kernel
+    compute the same products, and a step's size does not change a bf16 model's numbers."""
+    w, dense = _quantized(qtype, 37, 96, seed=4)
+    dense16 = dense.bfloat16()
+    for tokens in (1, 5, 11):
+        x = torch.randn(tokens, 96).bfloat16()
+        assert torch.equal(KERNELS.qgemv(x, w.data, None), KERNELS.gemv(x, dense16, None))
+
+
+def test_kernels_refuse_what_they_cannot_read():
+    w, _ = _quantized("Q8_0", 4, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        KERNELS.qgemv(torch.randn(1, 48), w.data[:, :51].contiguous(), None)
+    with pytest.raises(RuntimeError, match="block size"):
+        KERNELS.qgemv(torch.randn(1, 64), w.data[:, :60].contiguous(), None)   # 30 bytes per block: no such type
+    with pytest.raises(RuntimeError, match="uint8"):
+        KERNELS.qgemv(torch.randn(1, 64), w.data.float(), None)   # not blocks of bytes
+
+
+def test_quant_linear_goes_dense_above_its_threshold():
+    w, dense = _quantized("Q4_1", 64, 64, seed=3)
+    bias = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+    x = torch.randn(20, 64)
+    want = torch.nn.functional.linear(x, dense, bias)
+    # 0: the quantized kernel at every size; 16: dense from 16 tokens, widened per call or held
+    for layer in (QuantLinear(w, bias, 0), QuantLinear(w, bias, 16), QuantLinear(w, bias, 16, dense_module(w, torch.float32))):
+        torch.testing.assert_close(layer.forward(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.forward(x[:3]), want[:3], rtol=1e-5, atol=1e-5)
+    assert not any(n.endswith("bias") for n in dict(layer.dense.named_parameters()))   # the copy holds no bias
+
+
+def _tiny_quantized_gguf(hf_model, path, arch: str, qtype: str):
+    """The tiny model as a GGUF whose 2-D tensors (embeddings too) are stored in `qtype`."""
+    kind = gguf.GGMLQuantizationType[qtype]
+
+    def add_tensor(writer, name, a):
+        if a.ndim == 2:
+            data = gguf.quants.quantize(a, kind)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, a)
+    return _write_tiny_gguf(hf_model, path, arch, add_tensor=add_tensor)
+
+
+@pytest.mark.parametrize("name, arch, qtype", [("llama_gqa", "llama", "Q4_1"), ("llama_tied", "llama", "Q8_0"),
+                                               ("qwen3", "qwen3", "Q4_0")])
+def test_quantized_model_equals_the_dequantized_one(tiny_models, tmp_path, monkeypatch, name, arch, qtype):
+    """Q/K rows unpermuted as blocks, q/k/v and gate/up fused as blocks, quantized embeddings and
+    LM head (tied or not): the same logits as the model dequantized at load, prefill and decode
+    (the fused C++ layer loop included), and no fp32 copy of the weights in the cache."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_quantized_gguf(tiny_models(name).hf, tmp_path / f"{name}.gguf", arch, qtype)
+    meta = convert_gguf(path, weights=False)
+    assert not (meta / "model.safetensors").exists()
+    cfg = read_config(meta)
+    weights = gguf_native_weights(path, cfg, (qtype,))
+    assert {type(w) for k, w in weights.items() if k.endswith("proj.weight")} == {QuantTensor}
+    quant = build_model(cfg, weights, int8_activations=False)
+    dense = build_model(cfg, load_weights(convert_gguf(path)))
+    assert any(isinstance(m, QuantLinear) for m in quant.modules())
+    assert isinstance(quant.cpu_lm_head, QuantLinear)
+    assert not any(isinstance(m, QuantLinear) for m in dense.modules())
+    prompts = random_prompts([1, 9, 40], seed=5)
+    for got, want in zip(conveyor_prompt_logits(quant, prompts, chunk=16),
+                         conveyor_prompt_logits(dense, prompts, chunk=16)):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_atol(want))
+    assert quant.fused_decode_tokens > 0
+    got, want = conveyor_greedy(quant, prompts, 12), conveyor_greedy(dense, prompts, 12)
+    for i in range(len(prompts)):
+        assert got.tokens[i] == want.tokens[i]
+        torch.testing.assert_close(got.logits[i], want.logits[i], rtol=0, atol=logit_atol(want.logits[i]))
+
+
+def test_fused_matmul_with_mixed_types_stays_dense(tiny_models, tmp_path, monkeypatch):
+    """A fused matmul whose pieces are stored in different types (q/k in Q8_0, v in F32) is
+    dequantized whole; the other layers' matmuls stay quantized."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    kind = gguf.GGMLQuantizationType.Q8_0
+
+    def add_tensor(writer, name, a):
+        if a.ndim == 2 and "attn_v" not in name:
+            data = gguf.quants.quantize(a, kind)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(name, a)
+    path = _write_tiny_gguf(tiny_models("llama_gqa").hf, tmp_path / "mixed.gguf", "llama", add_tensor=add_tensor)
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)), int8_activations=False)
+    layer = model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    dense = build_model(cfg, load_weights(convert_gguf(path)))
+    prompts = random_prompts([7, 20], seed=6)
+    for got, want in zip(conveyor_prompt_logits(model, prompts), conveyor_prompt_logits(dense, prompts)):
+        torch.testing.assert_close(got, want, rtol=0, atol=logit_atol(want))
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
+def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, tmp_path, monkeypatch):
+    """The default on VNNI CPUs: every matmul (and the tied head) in the interleaved layout, the
+    same bytes as the file; logits within 1e-3 of the scale of the dequantized model's, through
+    prefill and the fused decode loop."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_quantized_gguf(tiny_models("llama_tied").hf, tmp_path / "t.gguf", "llama", "Q8_0")
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)))
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.x16 for m in linears) and model.embed_tokens.x16
+    assert model.cpu_lm_head.qweight is model.embed_tokens.qweight   # one copy for lookup and head
+    dense = build_model(cfg, load_weights(convert_gguf(path)))
+    prompts = random_prompts([1, 9, 40], seed=7)
+    for got, want in zip(conveyor_prompt_logits(model, prompts, chunk=16),
+                         conveyor_prompt_logits(dense, prompts, chunk=16)):
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert model.fused_decode_tokens > 0
+    got, want = conveyor_greedy(model, prompts, 8), conveyor_greedy(dense, prompts, 8)
+    for i in range(len(prompts)):   # up to the first differing token (after it the contexts differ)
+        n = next((j for j, (a, b) in enumerate(zip(got.tokens[i], want.tokens[i])) if a != b), 7) + 1
+        assert (got.logits[i][:n] - want.logits[i][:n]).abs().max() <= 1e-3 * want.logits[i][:n].abs().max()
