@@ -214,3 +214,30 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
     for i in range(len(prompts)):   # up to the first differing token (after it the contexts differ)
         n = next((j for j, (a, b) in enumerate(zip(got.tokens[i], want.tokens[i])) if a != b), 7) + 1
         assert (got.logits[i][:n] - want.logits[i][:n]).abs().max() <= 1e-3 * want.logits[i][:n].abs().max()
+
+
+def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch):
+    """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks at a model's shapes, the demo
+    tokenizer) load and generate, holding their matmul weights in about the file's bytes."""
+    import importlib.util
+    from pathlib import Path
+
+    from conveyor import LLM, SamplingParams
+    from conveyor.model.loader import ModelNotFoundError, demo_model_path
+
+    try:
+        demo_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_gguf", Path(__file__).parents[2] / "benchmarks" / "synthetic_gguf.py")
+    synthetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic)
+    path = synthetic.write("tiny", "Q4_0", tmp_path)
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    with LLM(str(path), dtype="float32", num_kv_blocks=32, cost_model="none") as llm:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+        held = llm.engine.loaded.model.weight_bytes()
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert held["Q4_0"] > 0 and abs(sum(held.values()) - tensor_bytes) <= 0.1 * tensor_bytes

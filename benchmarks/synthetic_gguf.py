@@ -1,0 +1,164 @@
+"""Synthetic Llama GGUF files at real model sizes (random weights), to measure memory, load time
+and decode speed where the demo model is too small to tell.
+
+    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0 [--out DIR] [--measure]
+
+Shapes are Llama-3.2-1B's and Llama-3.1-8B's (hidden 2048 / 4096, 16 / 32 layers, MLP 8192 /
+14336, 32 heads, 8 KV heads), with the demo model's tokenizer (and so its 49152-token vocabulary)
+copied in so that the file loads like any other. Codes are uniform random bytes and scales small
+fp16 values: the bytes the kernels stream are those of a real file of that type (the outputs are
+noise). Written block by block with the `gguf` package, no fp32 tensor in memory. With
+`--measure`: resident memory after load, load time and batch-1 decode steps against the bytes
+read per token over the memory bandwidth measured in the same run; a JSON and a line in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {  # hidden, layers, intermediate, heads, kv heads
+    "tiny": (128, 2, 256, 4, 2),   # for the test that the files load (tests/model/test_quant.py)
+    "1b": (2048, 16, 8192, 32, 8),
+    "8b": (4096, 32, 14336, 32, 8),
+}
+BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+
+
+def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
+    """[rows, cols / 32 * block bytes] uint8: random codes, fp16 scales ~ N(0, 1/sqrt(cols))."""
+    nb, bs = cols // 32, BLOCK_BYTES[qtype]
+    data = rng.integers(0, 256, size=(rows, nb, bs), dtype=np.uint8)
+    scale = (rng.random((rows, nb, 1), dtype=np.float32) * 2 / (8 * np.sqrt(cols))).astype(np.float16)
+    data[:, :, :2] = scale.view(np.uint8)
+    return data.reshape(rows, nb * bs)
+
+
+def write(size: str, qtype: str, out: Path) -> Path:
+    import gguf
+
+    from conveyor.model.loader import demo_model_path
+
+    hidden, layers, inter, heads, kv_heads = SIZES[size]
+    demo = gguf.GGUFReader(str(demo_model_path()))
+    vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
+    path = out / f"synthetic-llama-{size}-{qtype}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"synthetic llama {size}")
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(vocab)
+    for name, field in demo.fields.items():   # the demo model's tokenizer and chat template
+        if name.startswith("tokenizer."):
+            value = field.contents()
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(name, value, vtype, sub_type=field.types[-1])
+            else:
+                w.add_key_value(name, value, vtype)
+    kind = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    head_dim = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_gate.weight": (inter, hidden),
+                       f"blk.{i}.ffn_up.weight": (inter, hidden), f"blk.{i}.ffn_down.weight": (hidden, inter)})
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
+    for name, (rows, cols) in shapes.items():
+        w.add_tensor_info(name, (rows, cols * BLOCK_BYTES[qtype] // 32), np.dtype(np.uint8),
+                          rows * cols * BLOCK_BYTES[qtype] // 32, raw_dtype=kind)
+    for name in norms:
+        w.add_tensor_info(name, (hidden,), np.dtype(np.float32), hidden * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, (rows, cols) in shapes.items():
+        w.write_tensor_data(_blocks(rng, rows, cols, qtype))
+    for _ in norms:
+        w.write_tensor_data(np.ones(hidden, dtype=np.float32))
+    w.close()
+    return path
+
+
+def rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def measure(path: Path, dtype: str) -> dict:
+    import torch
+
+    from conveyor.config import EngineConfig
+    from conveyor.engine.engine import Engine
+    from conveyor.profile import _Plans
+    from decode_b1 import bandwidth, decode_step, weight_bytes   # benchmarks/ is on the path when run as a script
+
+    before = rss_gib()
+    t = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(path), dtype=dtype, kv_cache_gib=2.0, cost_model="none"))
+    load_s = time.perf_counter() - t
+    after = rss_gib()
+    model = engine.runner.model
+    plans = _Plans(engine)
+    plan = plans.plan([plans.seq(128, 1)])
+    x = torch.ones((1 << 30) // 4)
+    x.sum()
+    wbytes = weight_bytes(engine)
+    bws, steps = [], []
+    for _ in range(3):
+        bws.append(bandwidth(x))
+        steps.append(decode_step(engine, plan, steps=5))
+    return {"dtype": engine.dtype, "load_s": load_s, "rss_gib_after_load": after, "rss_gib_before": before,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "weights": model.weight_bytes(), "weights_summary": model.weight_bytes_summary(),
+            "bytes_read_per_token_gb": wbytes / 1e9, "file_gb": path.stat().st_size / 1e9,
+            "bandwidth_gb_s": statistics.median(bws) / 1e9, "step_ms": 1e3 * statistics.median(steps),
+            "ratio": statistics.median(s * b / wbytes for s, b in zip(steps, bws))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--qtype", choices=sorted(BLOCK_BYTES), default="Q4_0")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "synthetic")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--measure", action="store_true")
+    args = ap.parse_args()
+    from common import save
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"synthetic-llama-{args.size}-{args.qtype}.gguf"
+    if not path.exists():
+        t = time.perf_counter()
+        write(args.size, args.qtype, args.out)
+        print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
+    if args.measure:
+        res = measure(path, args.dtype)
+        print(res, flush=True)
+        save(f"synthetic_{args.size}_{args.qtype}", {"size": args.size, "qtype": args.qtype, **res},
+             f"synthetic Llama {args.size} {args.qtype} ({res['file_gb']:.2f} GB file), {res['dtype']}: "
+             f"loaded in {res['load_s']:.0f} s, resident {res['rss_gib_after_load']:.2f} GiB "
+             f"(weights {res['weights_summary']}); batch-1 decode {res['step_ms']:.0f} ms = {res['ratio']:.2f}x "
+             f"the {res['bytes_read_per_token_gb']:.2f} GB read per token at {res['bandwidth_gb_s']:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
