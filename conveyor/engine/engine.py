@@ -67,6 +67,10 @@ class EngineBackend:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         num_blocks, num_host = kv_cache_blocks(config, self.model_config, dtype)
+        # What /metrics reports as resident (rank 0's share under tensor parallelism for weights).
+        self.weight_bytes = sum(self.loaded.model.weight_bytes().values())
+        self.kv_cache_bytes = num_blocks * KVCacheTensors.bytes_per_block(self.model_config, config.block_size,
+                                                                          dtype.itemsize)
         # A sequence can never outgrow the whole cache: cap its length there so that a lone
         # request always fits (else it would preempt itself forever).
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings,
@@ -198,7 +202,8 @@ class EngineBackend:
 
     def stats(self) -> EngineStats:
         """The core's snapshot, with the latest step's time (Engine.step: output processing included)."""
-        return self.core.engine_stats().replace(last_step_time=self.last_step_time)
+        return self.core.engine_stats().replace(last_step_time=self.last_step_time, weight_bytes=self.weight_bytes,
+                                                kv_cache_bytes=self.kv_cache_bytes)
 
     def input_processor(self) -> InputProcessor:
         """Validation against this engine's model, for a front end (here or in another process)."""

@@ -82,6 +82,8 @@ class EngineStats:
     kv_invariant_full_checks: int = 0
     kv_invariant_violations: int = 0
     # ---- set above the core ----
+    weight_bytes: int = 0                 # model weights held in memory (all their copies)
+    kv_cache_bytes: int = 0               # the device KV cache
     step_time_total: float = 0.0          # seconds inside Engine.step(), all steps (the async loop's)
     num_unfinished_requests: int = 0      # requests a client holds streams for (the client's)
 

@@ -90,6 +90,10 @@ class EngineStatsCollector(Collector):
         yield counter("kv_invariant_violations", "Transitions to idle at which the KV cache was not whole (a "
                       "leaked block, a stray ref count or table; logged as errors, the engine went on).",
                       lambda s: s.kv_invariant_violations)
+        # Resident bytes: 0 for a replica that is down (its process, and its memory, are gone).
+        yield gauge("weight_bytes", "Bytes of model weights held in memory: quantized blocks as stored, dense "
+                    "weights and any prepacked or dense copies (docs/models.md).", lambda s, _: s.weight_bytes)
+        yield gauge("kv_cache_bytes", "Bytes of the device KV cache.", lambda s, _: s.kv_cache_bytes)
         yield gauge("engine_dead", "1 once the engine stopped serving (repeated step failures).",
                     lambda s, _: float(s.engine_dead), load=False)
         yield gauge("replica_up", "1 while the engine replica serves (0: stopped, died or shutting down).",

@@ -14,7 +14,8 @@ EXPECTED = ["conveyor:num_requests_running", "conveyor:num_requests_waiting", "c
             "conveyor:inter_token_latency_seconds", "conveyor:e2e_request_latency_seconds",
             "conveyor:request_queue_time_seconds", "conveyor:request_queue_timeouts",
             "conveyor:kv_invariant_violations", "conveyor:prefix_cache_mismatches",
-            "conveyor:preemption_blocks_swapped", "conveyor:preemption_tokens_recomputed"]
+            "conveyor:preemption_blocks_swapped", "conveyor:preemption_tokens_recomputed",
+            "conveyor:weight_bytes", "conveyor:kv_cache_bytes"]
 
 
 def test_metrics_parse(server, model_name):
@@ -32,6 +33,25 @@ def test_metrics_parse(server, model_name):
                  "conveyor:prefix_cache_mismatches", "conveyor:preemption_blocks_swapped",
                  "conveyor:preemption_tokens_recomputed"):
         assert families[name].type == "counter"
+
+
+def test_resident_bytes(server):
+    """The weights held (at least the GGUF's tensor bytes: blocks as stored, or dequantized) and
+    the KV cache, which is exactly its blocks."""
+    import gguf
+
+    from conveyor.model.loader import demo_model_path
+
+    families = {f.name: f for f in text_string_to_metric_families(server.http.get("/metrics").text)}
+    (weights,) = families["conveyor:weight_bytes"].samples
+    (kv,) = families["conveyor:kv_cache_bytes"].samples
+    (info,) = families["vllm:cache_config_info"].samples
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(demo_model_path())).tensors)
+    assert file_bytes * 0.99 <= weights.value <= file_bytes * 12   # fp32 plain + prepacked at most
+    cfg = server.engine.engine.model_config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    dtype_bytes = kv.value / (int(info.labels["num_gpu_blocks"]) * int(info.labels["block_size"]) * per_token)
+    assert dtype_bytes in (2, 4)
 
 
 def test_counters_follow_workload(server, client, model_name):
