@@ -324,34 +324,65 @@ struct QuantX {
     std::vector<int32_t> qsum, qsum2;
 };
 
+// One block of 32 activations (r: its index in the QuantX arrays).
+inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(x0)), _mm512_reduce_max_ps(_mm512_abs_ps(x1)));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+#else
+    float amax = 0.f, sum = 0.f;
+    for (int i = 0; i < kBlock; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sum += xb[i];
+    }
+#endif
+    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    const float d2 = d / 254.f, id2 = amax > 0.f ? 1.f / d2 : 0.f;
+    int8_t* q = X.q.data() + r * kBlock;
+    int8_t* q2 = X.q2.data() + r * kBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // Rounded to nearest even (the MXCSR default), as std::nearbyint.
+    const __m512 vd = _mm512_set1_ps(d), vid = _mm512_set1_ps(id), vid2 = _mm512_set1_ps(id2);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i qs = _mm512_setzero_si512(), q2s = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+        const __m512 xv = h ? x1 : x0;
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(xv, vid));
+        const __m512 rem = _mm512_sub_ps(xv, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v)));
+        const __m512i v2 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(rem, vid2))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtsepi32_epi8(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16 * h), _mm512_cvtsepi32_epi8(v2));
+        qs = _mm512_add_epi32(qs, v);
+        q2s = _mm512_add_epi32(q2s, v2);
+    }
+    X.qsum[r] = _mm512_reduce_add_epi32(qs);
+    X.qsum2[r] = _mm512_reduce_add_epi32(q2s);
+#else
+    int32_t qsum = 0, qsum2 = 0;
+    for (int i = 0; i < kBlock; ++i) {
+        const int v = (int)std::nearbyint(xb[i] * id);
+        const int v2 = std::clamp((int)std::nearbyint((xb[i] - d * (float)v) * id2), -127, 127);
+        q[i] = (int8_t)v;
+        q2[i] = (int8_t)v2;
+        qsum += v;
+        qsum2 += v2;
+    }
+    X.qsum[r] = qsum;
+    X.qsum2[r] = qsum2;
+#endif
+    X.d[r] = d;
+    X.d2[r] = d2;
+    X.sum[r] = sum;
+}
+
 QuantX quantize_x(const float* x, int64_t M, int64_t K) {
     const int64_t nb = K / kBlock, n = M * nb;
     QuantX X{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(n), std::vector<float>(n),
              std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n)};
-    for (int64_t r = 0; r < n; ++r) {
-        const float* xb = x + r * kBlock;
-        float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < kBlock; ++i) {
-            amax = std::max(amax, std::fabs(xb[i]));
-            sum += xb[i];
-        }
-        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-        const float d2 = d / 254.f, id2 = amax > 0.f ? 1.f / d2 : 0.f;
-        int32_t qsum = 0, qsum2 = 0;
-        for (int i = 0; i < kBlock; ++i) {
-            const int v = (int)std::nearbyint(xb[i] * id);
-            const int v2 = std::clamp((int)std::nearbyint((xb[i] - d * (float)v) * id2), -127, 127);
-            X.q[r * kBlock + i] = (int8_t)v;
-            X.q2[r * kBlock + i] = (int8_t)v2;
-            qsum += v;
-            qsum2 += v2;
-        }
-        X.d[r] = d;
-        X.d2[r] = d2;
-        X.sum[r] = sum;
-        X.qsum[r] = qsum;
-        X.qsum2[r] = qsum2;
-    }
+    at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) quantize_block(x + r * kBlock, X, r);
+    });
     return X;
 }
 
