@@ -182,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
         Fused matmuls (q/k/v, gate/up) take their pieces' rows in order. With `int8`, in the
         int8-activation kernel's layout (rows in 16s); with `dense_copy`, each also holds a dense
         copy for the large steps where that is measured faster (quant.dense_tokens)."""
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        given, weights = weights, {k.removeprefix("model."): v for k, v in weights.items()}
+        given.clear()   # each block tensor is dropped below once it is concatenated or reordered
         layout = (lambda w: w.for_int8()) if int8 else (lambda w: w)  # noqa: E731
         dtype = self.dtype
         for i, layer in enumerate(self.layers):
@@ -192,15 +193,16 @@ class LlamaForCausalLM(nn.Module):
                     (layer.self_attn, "o_proj", ("self_attn.o_proj",)),
                     (layer.mlp, "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
                     (layer.mlp, "down_proj", ("mlp.down_proj",))):
-                pieces = [weights.get(f"{p}{n}.weight") for n in names]
-                if all(isinstance(w, QuantTensor) for w in pieces):
-                    setattr(owner, attr, self._quant_linear(layout(QuantTensor.cat(pieces)), getattr(owner, attr).bias,
-                                                            dtype, dense_copy))
-        embed = weights.get("embed_tokens.weight")
+                if all(isinstance(weights.get(f"{p}{n}.weight"), QuantTensor) for n in names):
+                    fused = QuantTensor.cat([weights.pop(f"{p}{n}.weight") for n in names])
+                    setattr(owner, attr, self._quant_linear(layout(fused), getattr(owner, attr).bias, dtype,
+                                                            dense_copy))
+                    del fused
+        embed = weights.pop("embed_tokens.weight", None)
         if isinstance(embed, QuantTensor):
             embed = layout(embed)   # one copy for the lookup and a tied head
             self.embed_tokens = QuantEmbedding(embed, dtype)
-        head = embed if self.cfg.tie_word_embeddings else weights.get("lm_head.weight")
+        head = embed if self.cfg.tie_word_embeddings else weights.pop("lm_head.weight", None)
         if isinstance(head, QuantTensor):
             head = layout(head)
             self.cpu_lm_head = self._quant_linear(head, None, dtype, dense_copy)   # shares a tied embedding's blocks

@@ -3,10 +3,15 @@
 A Q4_0, Q4_1 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
 one row of blocks per output feature) and matmuls read it through the C++ kernels
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
-(fp32). Above a token count measured per dtype (``dense_tokens``) a matmul instead widens the
-weight into a temporary dense tensor and runs torch's matmul: for bf16 prefill chunks oneDNN's
-bf16 kernels beat the fp32 FMAs of the quantized kernel by ~2x; for fp32, at every size measured
-so far, the quantized kernel won (torch's fp32 matmul on AMD CPUs is slow, see linear.py).
+(fp32). Which kernel, by the activations' dtype (docs/models.md):
+
+- fp32 on CPUs with AVX512-VNNI: the blocks reordered once into 16-row groups (``for_int8``, the
+  same bytes) and int8 dot products, the activations split per block into two int8 terms; every
+  step size, so a token's numbers do not depend on its batch;
+- bf16: each block rounded to bf16 (the dequantized bf16 model's weights) and bf16 dot products;
+  above a token count measured per shape (``dense_tokens``) a dense bf16 copy (``dense_module``,
+  held when it fits ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
+- otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
 Other GGUF types (K-quants, F16, ...) are dequantized at load as with ``--quantization none``,
 which dequantizes everything to ``--dtype`` (the pre-existing path, cached on disk).
@@ -95,8 +100,8 @@ def native_available(device: str | torch.device, dtype: torch.dtype) -> bool:
 DENSE_PROBE_TOKENS = (16, 32, 64, 128, 256)
 DENSE_MARGIN = 1.1
 # A dense copy of the quantized matmuls (for large steps) is kept only while it takes at most this
-# share of the machine's memory: the demo model's bf16 copy (~200 MiB) pays 1.9x on the reference
-# workload; an 8B model's (16 GB) would not fit beside it.
+# share of the machine's memory: the demo model's bf16 copy (257 MiB) pays 1.8x on the reference
+# workload (784 vs 425 tok/s widening per call); an 8B model's (16 GB) would not fit beside it.
 DENSE_COPY_MEMORY_SHARE = 0.25
 
 
@@ -173,7 +178,8 @@ def _measure_dense(dtype: torch.dtype, qtype: str, in_features: int, out_feature
             break
         chosen = tokens
     logger.info("quantized %s matmul %dx%d for %s: dense%s from %s tokens (time vs dense: %s)", qtype,
-                in_features, out_features, dtype, " copy" if copy else "", chosen or "never", ", ".join(f"{t}: {r:.2f}x" for t, r in ratios.items()))
+                in_features, out_features, dtype, " copy" if copy else "", chosen or "never",
+                ", ".join(f"{t}: {r:.2f}x" for t, r in ratios.items()))
     return chosen
 
 

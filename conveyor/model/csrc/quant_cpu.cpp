@@ -1,11 +1,14 @@
 // Matmuls computed from GGUF-quantized weights as stored (Q4_0, Q4_1, Q8_0): y = x W^T (+ b)
 // with W kept in its blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and 4- or
 // 8-bit codes), never a dense copy. A decode step is bound by reading the weights, and a Q4_1
-// weight is 0.625 bytes against 2 (bf16) or 4 (fp32): the kernel widens each block to fp32 in
-// registers (AVX-512) and multiplies it with fp32 activations, so the only numerical difference
-// from the dequantized fp32 path is the order of the sums. A row's bytes: ggml's block layout,
-// blocks one after another along K. The type follows from the row's bytes per block of 32
-// (Q4_0: 18, Q4_1: 20, Q8_0: 34).
+// weight is 0.625 bytes against 2 (bf16) or 4 (fp32). Three kernels:
+// - plain layout, fp32 activations: each block widened to fp32 in registers (AVX-512) and FMAs,
+//   so the only difference from the dequantized fp32 model is the order of the sums;
+// - plain layout, bf16 activations: each block widened, rounded to bf16 and bf16 dot products
+//   (the dense bf16 GEMV's arithmetic on the dequantized bf16 weights);
+// - the x16 layout (below): int8 dot products against activations as two int8 terms (VNNI).
+// A plain row: ggml's blocks one after another along K. The type follows from the row's bytes
+// per block of 32 (Q4_0: 18, Q4_1: 20, Q8_0: 34; x16: 16 times that per group of 16 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
