@@ -180,7 +180,7 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve_model_path(model)
-    native = _native_types(path, device, dtype, tp) if quantization != "none" else ()
+    native = _native_types(path, device, dtype, tp, quantization == "auto") if quantization != "none" else ()
     directory = model_directory(path, weights=not native)
     cfg = read_config(directory)  # before the tokenizer: an unsupported architecture is the clearer error
     # A GGUF's tokenizer is cached beside its weights; `tokenizer` takes it from elsewhere.
@@ -215,9 +215,11 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _native_types(path: Path, device, dtype: torch.dtype, tp) -> tuple[str, ...]:
-    """The GGUF types of this file computed as stored here (empty: dequantize everything)."""
+def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tuple[str, ...]:
+    """The GGUF types of this file computed as stored here (empty: dequantize everything). `auto`
+    only where the kernels have their vector paths (AVX-512); asked for, anywhere they build."""
     from conveyor.model.gguf_loader import gguf_tensor_types
+    from conveyor.model.probe_cache import cpu_info
     from conveyor.model.quant import NATIVE_BLOCK_BYTES, native_available
 
     if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
@@ -228,5 +230,10 @@ def _native_types(path: Path, device, dtype: torch.dtype, tp) -> tuple[str, ...]
         return ()
     if types and not native_available(device, dtype):
         log.info("GGUF types %s dequantized at load: the quantized kernels do not run on %s/%s", types, device, dtype)
+        return ()
+    if types and auto and "avx512f" not in cpu_info()[1]:
+        # Without AVX-512 the kernels are scalar loops, slower than a dequantized model on MKL.
+        log.info("GGUF types %s dequantized at load: no AVX-512 here (--quantization weight-only forces "
+                 "the scalar quantized kernels)", types)
         return ()
     return types

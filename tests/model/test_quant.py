@@ -245,3 +245,22 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
         held = llm.engine.loaded.model.weight_bytes()
     assert len(out[0].outputs[0].token_ids) == 4
     assert held["Q4_0"] > 0 and abs(sum(held.values()) - tensor_bytes) <= 0.1 * tensor_bytes
+
+
+def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):
+    """Without AVX-512 the kernels are scalar loops: `auto` then dequantizes at load, while
+    `weight-only` still asks for the blocks as stored."""
+    from conveyor.model import loader, probe_cache
+    from conveyor.model.loader import ModelNotFoundError, demo_model_path
+
+    try:
+        path = demo_model_path()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    model, flags = probe_cache.cpu_info()
+    if "avx512f" in flags:
+        assert loader._native_types(path, "cpu", torch.float32, None, True) == ("Q4_1", "Q8_0")
+    monkeypatch.setattr(probe_cache, "cpu_info", lambda: (model, flags - {"avx512f"}))
+    assert loader._native_types(path, "cpu", torch.float32, None, True) == ()
+    assert loader._native_types(path, "cpu", torch.float32, None, False) == ("Q4_1", "Q8_0")
+    assert loader._native_types(path, "cpu", torch.float32, object(), False) == ()   # tensor parallel
