@@ -96,12 +96,13 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _group_key(hf_name: str) -> str | None:
-    """The fused matmul a weight joins (q/k/v -> qkv, gate/up -> gate_up), or None."""
-    for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "gate_up")):
-        for p in parts:
-            if f".{p}." in hf_name:
-                return hf_name.replace(p, fused)
-    return None
+    """The fused matmul a weight joins (q/k/v -> qkv_proj, gate/up -> gate_up_proj), or None."""
+    from conveyor.model.llama import FUSED_PIECE
+
+    parts = hf_name.rsplit(".", 2)
+    if len(parts) < 3 or parts[1] not in FUSED_PIECE:
+        return None
+    return f"{parts[0]}.{FUSED_PIECE[parts[1]][0]}.{parts[2]}"
 
 
 def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):

@@ -20,6 +20,11 @@ from conveyor.model.ops import CpuFusedOps, TorchOps
 from conveyor.model.quant import QuantEmbedding, QuantLinear, QuantTensor, dense_module, dense_tokens
 
 
+# The matmuls fused on load: fused module -> the HF pieces whose rows it stacks, in order.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PIECE = {piece: (fused, i) for fused, pieces in FUSED.items() for i, piece in enumerate(pieces)}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, ops: TorchOps):
         super().__init__()
@@ -188,13 +193,12 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.dtype
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            for owner, attr, names in (
-                    (layer.self_attn, "qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                    (layer.self_attn, "o_proj", ("self_attn.o_proj",)),
-                    (layer.mlp, "gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                    (layer.mlp, "down_proj", ("mlp.down_proj",))):
-                if all(isinstance(weights.get(f"{p}{n}.weight"), QuantTensor) for n in names):
-                    fused = QuantTensor.cat([weights.pop(f"{p}{n}.weight") for n in names])
+            for owner, prefix, attr in ((layer.self_attn, "self_attn", "qkv_proj"),
+                                        (layer.self_attn, "self_attn", "o_proj"),
+                                        (layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")):
+                names = [f"{p}{prefix}.{n}.weight" for n in FUSED.get(attr, (attr,))]
+                if all(isinstance(weights.get(n), QuantTensor) for n in names):
+                    fused = QuantTensor.cat([weights.pop(n) for n in names])
                     setattr(owner, attr, self._quant_linear(layout(fused), getattr(owner, attr).bias, dtype,
                                                             dense_copy))
                     del fused
@@ -221,20 +225,22 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights held, by storage: GGUF type names for quantized blocks, else the dtype."""
         out: dict[str, int] = {}
         seen: set[int] = set()
+
+        def add(kind: str, t: torch.Tensor) -> None:
+            out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+
         for m in self.modules():
             for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
                 if t is None or t.device.type == "meta" or t.data_ptr() in seen or name in ("cos", "sin"):
                     continue
                 seen.add(t.data_ptr())
-                kind = getattr(m, "qtype", None) if name == "qweight" else str(t.dtype).removeprefix("torch.")
-                out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+                add(m.qtype if name == "qweight" else str(t.dtype).removeprefix("torch."), t)
             if isinstance(m, CpuLinear):   # its tensors are plain attributes: the GEMV's weight, the packed one
                 if m.weight is not None and m.weight.data_ptr() not in seen:
                     seen.add(m.weight.data_ptr())
-                    kind = str(m.weight.dtype).removeprefix("torch.")
-                    out[kind] = out.get(kind, 0) + m.weight.numel() * m.weight.element_size()
+                    add(str(m.weight.dtype).removeprefix("torch."), m.weight)
                 if m.packed is not None:   # oneDNN's opaque layout: no data pointer to share
-                    out["prepacked"] = out.get("prepacked", 0) + m.packed.numel() * m.packed.element_size()
+                    add("prepacked", m.packed)
         return out
 
     def weight_bytes_summary(self) -> str:
@@ -329,18 +335,16 @@ class LlamaForCausalLM(nn.Module):
         """Load weights named as in HF checkpoints, fusing q/k/v and gate/up on the way."""
         own = self.state_dict()
         fused: dict[str, list[torch.Tensor | None]] = {}
-        groups = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         loaded: set[str] = set()
         for name, tensor in weights.items():
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in groups:
-                target, idx = groups[parts[-2]]
+            if len(parts) >= 2 and parts[-2] in FUSED_PIECE:
+                target, idx = FUSED_PIECE[parts[-2]]
                 key = ".".join(parts[:-2] + [target, parts[-1]])
-                fused.setdefault(key, [None] * (3 if target == "qkv_proj" else 2))[idx] = tensor
+                fused.setdefault(key, [None] * len(FUSED[target]))[idx] = tensor
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
