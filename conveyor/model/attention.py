@@ -57,7 +57,18 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor: ...
+
+
+def window_mask(mask: torch.Tensor | None, query_len: int, num_cached: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """`mask` ([query_len, num_cached + query_len] bool; None: causal) restricted to each query's
+    last `window` positions (its own included)."""
+    total = num_cached + query_len
+    q_pos = torch.arange(num_cached, total, device=device).unsqueeze(1)
+    k_pos = torch.arange(total, device=device).unsqueeze(0)
+    near = (q_pos - k_pos < window) & (k_pos <= q_pos)
+    return near if mask is None else mask & near
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -86,35 +97,43 @@ class TorchPagedAttention:
     # Decodes are gathered and padded per group, so grouping by context length pays off.
     max_decode_groups = 4
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, d]; k, v: [T, KVH, d]. Returns [T, H * d]."""
+                 v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        """q: [T, H, d]; k, v: [T, KVH, d]. Returns [T, H * d]. `window` > 0: each query attends to
+        its last `window` positions only (a sliding-window layer)."""
         self._write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.prefills and len(meta.decodes) == 1:   # a decode-only step: no copy into a buffer
-            return self._decode(q, k_cache, v_cache, meta.decodes[0])
+            return self._decode(q, k_cache, v_cache, meta.decodes[0], window)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for seq in meta.prefills:
             sl = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq)
+            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, window)
         for group in meta.decodes:
             sl = slice(group.start, group.start + group.size)
-            out[sl] = self._decode(q[sl], k_cache, v_cache, group)
+            out[sl] = self._decode(q[sl], k_cache, v_cache, group, window)
         return out
 
     @staticmethod
     def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, window: int = 0) -> torch.Tensor:
         qh = q.transpose(0, 1).unsqueeze(0)                            # [1, H, n, d]
-        if seq.mask is None:
+        mask = seq.mask
+        if window and seq.num_cached + seq.query_len > window:   # some query sees fewer than all keys
+            mask = window_mask(mask, seq.query_len, seq.num_cached, window, q.device)
+            if seq.mask is None:   # no cache: this chunk's own keys
+                kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+        if mask is None:
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
@@ -122,16 +141,20 @@ class TorchPagedAttention:
             bt = seq.block_table.unsqueeze(0)
             kh = gather_context(k_cache, bt, total).transpose(0, 1)     # [1, KVH, total, d]
             vh = gather_context(v_cache, bt, total).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o[0].transpose(0, 1).reshape(q.shape[0], -1)
 
-    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup, window: int = 0) -> torch.Tensor:
         d = q.shape[0]
         kh = gather_context(k_cache, group.block_tables, group.max_context)  # [KVH, D, L, d]
         vh = gather_context(v_cache, group.block_tables, group.max_context)
         # The query heads of one KV group become the query "length" of that (KVH, seq) pair.
         qh = q.view(d, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)   # [KVH, D, G, d]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=group.bias, scale=self.scale)
+        bias = group.bias
+        if window and group.max_context > window:   # positions before each sequence's window: -inf
+            far = torch.arange(group.max_context, device=q.device) < (group.context_lens - window).unsqueeze(1)
+            bias = bias.masked_fill(far.view(1, d, 1, -1), float("-inf"))
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=self.scale)
         return o.transpose(0, 1).reshape(d, -1)
 
 
@@ -141,24 +164,25 @@ class CpuPagedAttention(TorchPagedAttention):
 
     max_decode_groups = 1
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels, scale: float | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.kernels = kernels
 
     def _write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self.kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def _decode(self, q, k_cache, v_cache, group: DecodeGroup) -> torch.Tensor:
-        o = self.kernels.paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale)
+    def _decode(self, q, k_cache, v_cache, group: DecodeGroup, window: int = 0) -> torch.Tensor:
+        o = self.kernels.paged_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, self.scale, window)
         return o.view(q.shape[0], -1)
 
 
 def make_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
-                           dtype: torch.dtype) -> TorchPagedAttention:
-    """The fastest backend available for the device and dtype, else the portable one."""
+                           dtype: torch.dtype, scale: float | None = None) -> TorchPagedAttention:
+    """The fastest backend available for the device and dtype, else the portable one. `scale`:
+    the query scale (default 1/sqrt(head_dim))."""
     from conveyor.model.cpu_kernels import cpu_kernels
 
     kernels = cpu_kernels(device, dtype)
     if kernels is not None:
-        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels)
-    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)
+        return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels, scale)
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim, scale)

@@ -1,4 +1,9 @@
-"""Architecture description of a Llama-family decoder, parsed from HF config.json or GGUF."""
+"""Architecture description of a Llama-family decoder, parsed from HF config.json or GGUF.
+
+Gemma 3 (text) is the same decoder with switches: GeGLU, RMSNorm weights stored as an offset from
+one, norms after attention and after the MLP too, a scaled embedding, and sliding-window layers with
+their own RoPE base interleaved with global ones (`layer_types`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # model_type / architectures accepted; all share one decoder with a few switches.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class UnsupportedModelError(ValueError):
@@ -33,6 +40,24 @@ class ModelConfig:
     mlp_bias: bool = False
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    hidden_act: str = "silu"          # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    norm_unit_offset: bool = False    # HF RMSNorm weights scale by (1 + w) (Gemma); stored as 1 + w here
+    sandwich_norms: bool = False      # norms after attention and after the MLP as well (Gemma 3)
+    embedding_multiplier: float | None = None   # token embeddings scaled by this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    sliding_window: int | None = None           # tokens a sliding-window layer attends to (itself included)
+    layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL; None: all FULL
+    rope_local_theta: float | None = None       # RoPE base of the sliding layers (Gemma 3: 10000)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, i: int) -> int:
+        """Tokens layer `i` attends to (its own included); 0: the whole context."""
+        if self.sliding_window and self.layer_types and self.layer_types[i] == SLIDING:
+            return self.sliding_window
+        return 0
 
     @property
     def q_size(self) -> int:
@@ -48,6 +73,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type == "gemma3_text":
+            return cls._from_gemma3(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:
             arch = cfg.get("architectures") or [model_type or "unknown"]
             raise UnsupportedModelError(
@@ -86,8 +113,52 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
         )
 
+    @classmethod
+    def _from_gemma3(cls, cfg: dict[str, Any]) -> ModelConfig:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"unsupported hidden_activation {act!r} for gemma3_text")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(cap) is not None:
+                raise UnsupportedModelError(f"gemma3_text with {cap} is not supported")
+        layers = cfg["num_hidden_layers"]
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = tuple(cfg.get("layer_types") or (
+            SLIDING if (i + 1) % pattern else FULL for i in range(layers)))
+        # transformers >= 5: rope_parameters per layer type; before: rope_theta (+ rope_scaling) for
+        # the global layers and rope_local_base_freq for the sliding ones.
+        rope = cfg.get("rope_parameters") or {}
+        full = rope.get(FULL) or {"rope_theta": cfg.get("rope_theta", 1e6), **(cfg.get("rope_scaling") or {})}
+        local = rope.get(SLIDING) or {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"unsupported rope type {local['rope_type']!r} for the sliding layers")
+        scaling = None
+        kind = full.get("rope_type", full.get("type", "default"))
+        if kind == "linear":
+            scaling = {"rope_type": "linear", "factor": full["factor"]}
+        elif kind != "default":
+            raise UnsupportedModelError(f"unsupported rope type {kind!r} for gemma3_text")
+        eos = cfg.get("eos_token_id")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type="gemma3_text", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or 256,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=full["rope_theta"], rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            attention_bias=cfg.get("attention_bias", False), qk_norm=True,
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            bos_token_id=cfg.get("bos_token_id"), hidden_act=act, norm_unit_offset=True, sandwich_norms=True,
+            embedding_multiplier=cfg["hidden_size"] ** 0.5,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+            sliding_window=cfg.get("sliding_window"), layer_types=types, rope_local_theta=local["rope_theta"],
+        )
+
     def to_hf(self) -> dict[str, Any]:
         """A config.json that transformers loads into an equivalent model."""
+        if self.model_type == "gemma3_text":
+            return self._to_gemma3()
         archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
         cfg: dict[str, Any] = {
@@ -104,6 +175,29 @@ class ModelConfig:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
+        if self.eos_token_ids:
+            cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        if self.bos_token_id is not None:
+            cfg["bos_token_id"] = self.bos_token_id
+        return cfg
+
+    def _to_gemma3(self) -> dict[str, Any]:
+        full = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            full = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        cfg: dict[str, Any] = {
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "hidden_activation": self.hidden_act,
+            "attention_bias": self.attention_bias, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "sliding_window": self.sliding_window, "layer_types": list(self.layer_types or ()),
+            "rope_parameters": {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": self.rope_local_theta}},
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "torch_dtype": "float32",
+        }
         if self.eos_token_ids:
             cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         if self.bos_token_id is not None:

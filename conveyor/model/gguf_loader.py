@@ -23,7 +23,7 @@ import torch
 from conveyor.model.config import ModelConfig, UnsupportedModelError
 from conveyor.paths import cache_dir
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
 _PERMUTED_ARCHS = {"llama", "mistral"}
 _LAYER_NAMES = {
@@ -32,11 +32,15 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: "ffn_norm" is the norm before the MLP, as in Llama, but HF names
+# that one pre_feedforward_layernorm and the norm of the attention's output post_attention_layernorm.
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-_CONVERSION_VERSION = 2   # bump when the cached layout changes
+_CONVERSION_VERSION = 3   # bump when the cached layout changes
 
 
 def _file_key(path: Path) -> str:
@@ -64,6 +68,8 @@ def gguf_config(reader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    if arch == "gemma3":
+        return _gemma3_config(reader, a, names, vocab, eos)
     return ModelConfig(
         model_type=_GGUF_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
         intermediate_size=a("feed_forward_length"), num_hidden_layers=a("block_count"),
@@ -79,14 +85,41 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def _gemma3_config(reader, a, names: set[str], vocab: int, eos) -> ModelConfig:
+    """Gemma 3 as llama.cpp runs it: the sliding-window pattern (every 6th layer global) and the
+    local RoPE base (10000) are not in the file; the 27B scales queries by hidden/heads, the others by
+    head_dim."""
+    from conveyor.model.config import FULL, SLIDING
+
+    heads, hidden, layers = a("attention.head_count"), a("embedding_length"), a("block_count")
+    head_dim = a("attention.key_length", hidden // heads)
+    scaling = None
+    if a("rope.scaling.type") == "linear" and a("rope.scaling.factor"):
+        scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
+    return ModelConfig(
+        model_type="gemma3_text", vocab_size=vocab, hidden_size=hidden, intermediate_size=a("feed_forward_length"),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=a("attention.head_count_kv", heads),
+        head_dim=head_dim, rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 1e6)), rope_scaling=scaling,
+        max_position_embeddings=a("context_length", 32768), tie_word_embeddings="output.weight" not in names,
+        qk_norm=True, eos_token_ids=() if eos is None else (int(eos),),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), hidden_act="gelu_pytorch_tanh",
+        norm_unit_offset=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
+        query_pre_attn_scalar=hidden / heads if layers == 62 else head_dim,
+        sliding_window=a("attention.sliding_window"),
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)), rope_local_theta=10000.0,
+    )
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     blk, idx, part = base.split(".", 2)
-    if blk != "blk" or part not in _LAYER_NAMES:
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3_text" else _LAYER_NAMES
+    if blk != "blk" or part not in layer_names:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{idx}.{_LAYER_NAMES[part]}.{suffix}"
+    return f"model.layers.{idx}.{layer_names[part]}.{suffix}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -95,7 +128,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _group_key(hf_name: str) -> str | None:
+def fused_group_key(hf_name: str) -> str | None:
     """The fused matmul a weight joins (q/k/v -> qkv_proj, gate/up -> gate_up_proj), or None."""
     from conveyor.model.llama import FUSED_PIECE
 
@@ -108,7 +141,8 @@ def _group_key(hf_name: str) -> str | None:
 def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
     """HF-named tensors: fp32 numpy arrays, and, for 2-D weights stored in a type of `native`,
     ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). Pieces of one
-    fused matmul (q/k/v, gate/up) stay quantized only if all of them are, in one type."""
+    fused matmul (q/k/v, gate/up) stay quantized only if all of them are (in one type or several:
+    ``quant.QuantConcat``)."""
     from gguf.quants import dequantize
 
     from conveyor.model.quant import QuantTensor
@@ -119,18 +153,20 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
         kind = t.tensor_type.name
         if kind not in SUPPORTED_QUANTS:
             raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {kind}")
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, cfg.model_type)
         keep = kind in native and len(t.shape) == 2
         w = np.array(t.data) if keep else np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if cfg.norm_unit_offset and name.endswith("norm.weight"):
+            w = w - np.float32(1)   # llama.cpp stores Gemma's (1 + w); HF names hold w
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_attention_heads)
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_key_value_heads)
         out[name] = QuantTensor(torch.from_numpy(np.ascontiguousarray(w)), kind, int(t.shape[0])) if keep else w
-        kinds.setdefault(_group_key(name), set()).add(kind if keep else None)
-    for name, w in out.items():   # a fused matmul with mixed pieces: all of them dense
-        group = _group_key(name)
-        if isinstance(w, QuantTensor) and group is not None and len(kinds[group]) > 1:
+        kinds.setdefault(fused_group_key(name), set()).add(kind if keep else None)
+    for name, w in out.items():   # a fused matmul with dense and quantized pieces: all of them dense
+        group = fused_group_key(name)
+        if isinstance(w, QuantTensor) and group is not None and None in kinds[group]:
             out[name] = w.dequantize().numpy()
     return out
 

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) on a flattened token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3) on a flattened token batch.
 
 Every op except attention runs on all tokens of the step at once (Orca's selective batching);
 attention uses the per-sequence metadata. Q/K/V and gate/up projections are fused into one
@@ -17,7 +17,7 @@ from conveyor.model.attention import AttentionBackend, AttentionMetadata, CpuPag
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import MAX_GEMV_TOKENS, CpuLinear, replace_linears
 from conveyor.model.ops import CpuFusedOps, TorchOps
-from conveyor.model.quant import QuantEmbedding, QuantLinear, QuantTensor, dense_module, dense_tokens
+from conveyor.model.quant import QuantConcat, QuantEmbedding, QuantLinear, QuantTensor, dense_module, dense_tokens
 
 
 # The matmuls fused on load: fused module -> the HF pieces whose rows it stacks, in order.
@@ -40,10 +40,13 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the global layers' RoPE, or (`local`) of the sliding-window layers'
+    (their own base, no scaling: Gemma 3)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else (cfg.rope_scaling or {})
     kind = scaling.get("rope_type")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -62,10 +65,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") RoPE, the layout of HF checkpoints."""
 
-    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, local: bool = False):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
+        self.local = local
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset()
@@ -74,7 +78,7 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables, e.g. after the module was built on the meta device."""
         device = self.cos.device if self.cos.device.type != "meta" else None
         t = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(self.cfg))
+        freqs = torch.outer(t, rope_inv_freq(self.cfg, self.local))
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +87,11 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None, window: int = 0):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.window = window   # > 0: a sliding-window layer (attends to its last `window` tokens)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -104,7 +109,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = rope.forward(positions, q, k)
-        out = self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta))
+        out = self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, self.window))
         if self.tp is not None:   # tensor parallel: each rank has a share of the heads
             self.tp.all_reduce(out)
         return out
@@ -117,9 +122,10 @@ class MLP(nn.Module):
         self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_mul = ops.silu_mul if cfg.hidden_act == "silu" else ops.gelu_tanh_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj.forward(self.ops.silu_mul(self.gate_up_proj.forward(x)))
+        out = self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         if self.tp is not None:   # tensor parallel: each rank has a share of the columns
             self.tp.all_reduce(out)
         return out
@@ -130,11 +136,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps, tp=None, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, backend, ops, tp)
+        self.self_attn = Attention(cfg, backend, ops, tp, cfg.layer_window(index))
+        # Llama: the norm before the MLP. Gemma 3 (sandwich norms): the norm of the attention's output,
+        # with pre_/post_feedforward_layernorm around the MLP.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops, tp)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta):
@@ -143,6 +155,9 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm.forward(x) if residual is None else self.input_layernorm.add_forward(x, residual)
         residual = x if residual is None else residual
         h = self.self_attn.forward(h, positions, rope, kv_cache, meta)
+        if self.sandwich:
+            h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm.forward(h), residual)
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
         h = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp.forward(h), residual
 
@@ -158,11 +173,16 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         ops = ops or TorchOps()
         self.ops = ops
-        backend = backend or TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        backend = backend or TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                                cfg.attention_scale)
         self.attn_backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg, ops)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, tp) for _ in range(cfg.num_hidden_layers))
+        # Sliding-window layers with their own RoPE base (Gemma 3) share a second table.
+        self.rope_local = RotaryEmbedding(cfg, ops, local=True) if cfg.rope_local_theta else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, tp, i) for i in range(cfg.num_hidden_layers))
+        self._ropes = [self.rope_local if self.rope_local is not None and cfg.layer_window(i) else self.rope
+                       for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows or cfg.vocab_size, bias=False)
@@ -198,10 +218,17 @@ class LlamaForCausalLM(nn.Module):
                                         (layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")):
                 names = [f"{p}{prefix}.{n}.weight" for n in FUSED.get(attr, (attr,))]
                 if all(isinstance(weights.get(n), QuantTensor) for n in names):
-                    fused = QuantTensor.cat([weights.pop(n) for n in names])
-                    setattr(owner, attr, self._quant_linear(layout(fused), getattr(owner, attr).bias, dtype,
-                                                            dense_copy))
-                    del fused
+                    pieces, bias = [weights.pop(n) for n in names], getattr(owner, attr).bias
+                    runs: list[list[QuantTensor]] = []   # consecutive pieces of one type fuse
+                    for w in pieces:
+                        if runs and runs[-1][0].qtype == w.qtype:
+                            runs[-1].append(w)
+                        else:
+                            runs.append([w])
+                    parts = [self._quant_linear(layout(QuantTensor.cat(run)), None if len(runs) > 1 else bias,
+                                                dtype, dense_copy) for run in runs]
+                    setattr(owner, attr, parts[0] if len(parts) == 1 else QuantConcat(parts, bias))
+                    del pieces, runs, parts
         embed = weights.pop("embed_tokens.weight", None)
         if isinstance(embed, QuantTensor):
             embed = layout(embed)   # one copy for the lookup and a tied head
@@ -254,12 +281,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only;
         with `hidden_indices`, also the final (normed) hidden states of those rows: (logits, hidden)."""
         x = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier is not None:   # Gemma: the scale rounded to the activations' dtype
+            x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
         if input_ids.shape[0] <= self.fused_decode_tokens and not meta.prefills and len(meta.decodes) == 1:
             x, residual = self._fused_decode(x, positions, kv_caches, meta)
         else:
             residual = None
-            for layer, kv in zip(self.layers, kv_caches):
-                x, residual = layer.forward(x, residual, positions, self.rope, kv, meta)
+            for layer, rope, kv in zip(self.layers, self._ropes, kv_caches):
+                x, residual = layer.forward(x, residual, positions, rope, kv, meta)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         x = x[rows] if residual is None else x[rows] + residual[rows]
         x = self.norm.forward(x)
@@ -295,7 +324,10 @@ class LlamaForCausalLM(nn.Module):
         widths = [m.fused_width() if isinstance(m, QuantLinear) else gemv_max for layer in self.layers
                   for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
         width = min(widths, default=0)
-        if width and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
+        # The fused loop is the Llama layer (one norm per sublayer, SiLU, global attention).
+        llama_layers = self.cfg.hidden_act == "silu" and not self.cfg.sandwich_norms and not self.cfg.sliding_window \
+            and not any(isinstance(m, QuantConcat) for m in self.layers.modules())
+        if width and llama_layers and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
                 and isinstance(self.ops, CpuFusedOps):
             self.fused_decode_tokens = width
             self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
@@ -348,6 +380,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
+            if self.cfg.norm_unit_offset and name.endswith("norm.weight"):
+                tensor = 1.0 + tensor.float()   # HF Gemma scales by (1 + w), computed in fp32
             self._copy(own, name, tensor, loaded)
         for key, pieces in fused.items():
             if any(p is None for p in pieces):

@@ -97,6 +97,7 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     products) or in fp32."""
     from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_native
     from conveyor.model.attention import make_attention_backend
+    from conveyor.model.gguf_loader import fused_group_key
     from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
     from conveyor.model.shard import Shard
@@ -106,21 +107,29 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
         shard = Shard.of(cfg, tp.rank, tp.world)
         weights = shard.shard_weights(cfg, weights)
         cfg, rows, tp.vocab_size = shard.local_config(cfg), shard.vocab_shard, cfg.vocab_size
-    backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
+    backend = make_attention_backend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device, dtype,
+                                     cfg.attention_scale)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, make_ops(device, dtype), tp, rows)
     model = model.to_empty(device=device).to(dtype)
-    model.rope.reset()
-    model.rope.to(device)
+    for rope in (model.rope, model.rope_local):
+        if rope is not None:
+            rope.reset()
+            rope.to(device)
     # Taken out of `weights` (the caller's dict): use_quantized drops each file block once it is
     # concatenated or reordered, so that loading does not hold the model twice.
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, QuantTensor)]}
+    # Int8 activations for fp32 models: a bf16 model multiplies bf16-rounded weights on every
+    # path (quantized kernel, dense copy), so that its numbers do not depend on the step's size.
+    int8 = int8_activations_native() and dtype == torch.float32 if int8_activations is None else int8_activations
+    for k in [k for k, w in quant.items() if w.is_k and not (int8 and w.out_features % 16 == 0)]:
+        weights[k] = quant.pop(k).dequantize()   # K-quants run on the int8 kernel only
+    mixed = {fused_group_key(k) for k in weights} - {None}   # ... and a fused matmul is dense if one piece is
+    for k in [k for k in quant if fused_group_key(k) in mixed]:
+        weights[k] = quant.pop(k).dequantize()
     quantized = bool(quant)
     if quantized:
         copy_bytes = sum(w.out_features * w.in_features for w in quant.values()) * dtype.itemsize
-        # Int8 activations for fp32 models: a bf16 model multiplies bf16-rounded weights on every
-        # path (quantized kernel, dense copy), so that its numbers do not depend on the step's size.
-        int8 = int8_activations_native() and dtype == torch.float32 if int8_activations is None else int8_activations
         model.use_quantized(quant, int8, dense_copy_allowed(copy_bytes))
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
     # Prepacking is chosen per weight shape (MKL and oneDNN rank differently by shape and CPU);
@@ -217,15 +226,19 @@ def _return_freed_memory() -> None:
 
 def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tuple[str, ...]:
     """The GGUF types of this file computed as stored here (empty: dequantize everything). `auto`
-    only where the kernels have their vector paths (AVX-512); asked for, anywhere they build."""
+    only where the kernels have their vector paths (AVX-512); asked for, anywhere they build. K-quants
+    only with int8 activations (`auto`, fp32, AVX512-VNNI): they have no other kernel."""
     from conveyor.model.gguf_loader import gguf_tensor_types
     from conveyor.model.probe_cache import cpu_info
-    from conveyor.model.quant import NATIVE_BLOCK_BYTES, native_available
+    from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
 
     if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
         return ()
+    kernels = set(NATIVE_BLOCK_BYTES)
+    if auto and dtype == torch.float32 and native_available(device, dtype) and int8_activations_native():
+        kernels |= set(K_SUPER_BYTES)
     try:
-        types = tuple(sorted(gguf_tensor_types(path) & set(NATIVE_BLOCK_BYTES)))
+        types = tuple(sorted(gguf_tensor_types(path) & kernels))
     except Exception:   # noqa: BLE001 - a damaged file: the conversion reports it, clearly
         return ()
     if types and not native_available(device, dtype):

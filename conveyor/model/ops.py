@@ -29,6 +29,12 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): gelu(gate, tanh approximation) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
     def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = cos[positions].unsqueeze(1).to(q.dtype)   # [T, 1, d/2]

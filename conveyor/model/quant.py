@@ -1,6 +1,6 @@
 """GGUF-quantized weights computed as stored (``--quantization auto``, the default for GGUF files).
 
-A Q4_0, Q4_1 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
+A Q4_0, Q4_1, Q5_0 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
 one row of blocks per output feature) and matmuls read it through the C++ kernels
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
 (fp32). Which kernel, by the activations' dtype (docs/models.md):
@@ -31,8 +31,12 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "weight-only", "none")   # what load_model takes (config.py lists them for the CLI)
-NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}   # bytes per block of 32 weights
+NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}   # bytes per block of 32 weights
 BLOCK = 32
+# K-quants: bytes per super-block of 256 weights. Computed as stored only with int8 activations (the
+# x16 layout, AVX512-VNNI); elsewhere they are dequantized at load.
+K_SUPER_BYTES = {"Q4_K": 144, "Q6_K": 210}
+SUPER = 256
 
 
 def int8_activations_native() -> bool:
@@ -53,16 +57,22 @@ class QuantTensor:
     def out_features(self) -> int:
         return self.data.shape[0] * (16 if self.x16 else 1)
 
+    @property
+    def is_k(self) -> bool:
+        return self.qtype in K_SUPER_BYTES
+
     @staticmethod
     def cat(pieces: list[QuantTensor]) -> QuantTensor:
         """Row-wise concatenation (q/k/v, gate/up): rows of blocks are independent."""
         first = pieces[0]
-        assert all(p.qtype == first.qtype and p.in_features == first.in_features for p in pieces)
+        assert all(p.qtype == first.qtype and p.in_features == first.in_features and not p.x16 for p in pieces)
         return QuantTensor(torch.cat([p.data for p in pieces]), first.qtype, first.in_features)
 
     @property
     def x16(self) -> bool:
-        """In the int8 kernel's interleaved layout (csrc/quant_cpu.cpp), not the file's."""
+        """In the int8 kernel's interleaved layout (csrc/quant_cpu.cpp), not the file's (K-quants: 3-D)."""
+        if self.is_k:
+            return self.data.dim() == 3
         return self.data.shape[1] == 16 * (self.in_features // BLOCK) * NATIVE_BLOCK_BYTES[self.qtype]
 
     def for_int8(self) -> QuantTensor:
@@ -70,11 +80,15 @@ class QuantTensor:
         rows come in 16s; else itself (the fp32-activation kernel serves it)."""
         if self.x16 or self.data.shape[0] % 16:
             return self
-        return QuantTensor(_kernels().qrepack(self.data, self.in_features), self.qtype, self.in_features)
+        if self.is_k:
+            data = _kernels().krepack(self.data, self.in_features, K_SUPER_BYTES[self.qtype])
+        else:
+            data = _kernels().qrepack(self.data, self.in_features)
+        return QuantTensor(data, self.qtype, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         kernels = _kernels()
-        if kernels is not None:
+        if kernels is not None and (self.x16 or not self.is_k):   # the kernels read plain K-quants only repacked
             return kernels.qdequant(self.data, self.in_features, dtype)
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -216,6 +230,22 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.qtype}, int8={self.x16}, dense_from={self.dense_from}"
+
+
+class QuantConcat(nn.Module):
+    """A fused matmul (q/k/v, gate/up) whose pieces are stored in different GGUF types (Gemma 3's
+    q and k in Q5_0, v in Q8_0): one QuantLinear per run of pieces of one type, their outputs side
+    by side, the fused bias (HF's pieces' biases, concatenated) added once."""
+
+    def __init__(self, parts: list[QuantLinear], bias: nn.Parameter | None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = bias
+        self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class QuantEmbedding(nn.Module):

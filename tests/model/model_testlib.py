@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from conveyor.engine.core import EngineCore
 from conveyor.kv.manager import KVCacheManager
@@ -51,6 +52,15 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1)),
     "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4,
                                                        tie_word_embeddings=True)),
+    # Gemma 3: sliding-window layers (window 8, far below the prompts) around a global one, each
+    # kind with its RoPE base (the global one scaled), GeGLU, four norms per layer, q/k norms, a
+    # scaled embedding and a query scale that is not 1/sqrt(head_dim).
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

@@ -16,9 +16,10 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="C++ kernels could no
 
 
 @needs_kernels
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128), (6, 2, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 24), (8, 1, 128), (6, 2, 32), (4, 1, 256)])
 @pytest.mark.parametrize("block_size", [1, 16, 256])
-def test_kernel_matches_torch_path(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("window", [0, 37])   # 37: a sliding-window layer (starts mid-block)
+def test_kernel_matches_torch_path(heads, kv_heads, head_dim, block_size, window):
     rng = random.Random(heads * 1000 + block_size)
     g = torch.Generator().manual_seed(block_size)
     lens = [rng.randint(1, 300) for _ in range(7)] + [1, 300]
@@ -41,8 +42,16 @@ def test_kernel_matches_torch_path(heads, kv_heads, head_dim, block_size):
         inputs = build_inputs(work, block_size, max_decode_groups=backend.max_decode_groups)
         kc, vc = k_cache.clone(), v_cache.clone()
         perm = torch.tensor(inputs.order)
-        outs.append(backend(q[perm], k[perm], v[perm], kc, vc, inputs.meta))
+        outs.append(backend(q[perm], k[perm], v[perm], kc, vc, inputs.meta, window))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+    if window:   # and the window changes the result of the sequences longer than it
+        full = CpuPagedAttention(heads, kv_heads, head_dim, kernels)(
+            q[perm], k[perm], v[perm], k_cache.clone(), v_cache.clone(), inputs.meta)
+        lens_in_order = torch.tensor([lens[i] for i in inputs.order])
+        long = (lens_in_order > window).nonzero().view(-1)
+        assert not torch.allclose(full[long], outs[1][long])
+        short = (lens_in_order <= window).nonzero().view(-1)
+        torch.testing.assert_close(full[short], outs[1][short], atol=0, rtol=0)
 
 
 @needs_kernels

@@ -43,10 +43,17 @@ def test_config_parsed_from_hf(family):
     assert cfg.model_type == hf.model_type
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (hf.num_attention_heads, hf.num_key_value_heads)
     assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
+    rope = hf.rope_parameters.get("full_attention", hf.rope_parameters)   # Gemma 3: one per layer type
+    assert cfg.rope_theta == rope["rope_theta"]
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
     assert cfg.attention_bias == (family.name == "qwen2")
-    assert cfg.qk_norm == (family.name == "qwen3")
+    assert cfg.qk_norm == (family.name in ("qwen3", "gemma3"))
+    if family.name == "gemma3":
+        assert cfg.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
+        assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+        assert [cfg.layer_window(i) for i in range(3)] == [8, 0, 8]
+        assert cfg.attention_scale == 24 ** -0.5 and cfg.embedding_multiplier == 8.0
+        return
     if family.name == "qwen3":
         assert cfg.head_dim == 24 and cfg.q_size != cfg.hidden_size
     if family.name == "llama3_rope":
@@ -63,9 +70,13 @@ def test_config_round_trips(family):
     assert again == cfg
     # transformers reads our to_hf() output back into the same architecture.
     hf = AutoConfig.for_model(**cfg.to_hf())
-    assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
+    assert hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"] == cfg.rope_theta
     assert hf.tie_word_embeddings == cfg.tie_word_embeddings
-    if cfg.rope_scaling:
+    if family.name == "gemma3":
+        assert hf.layer_types == list(cfg.layer_types) and hf.sliding_window == cfg.sliding_window
+        assert hf.rope_parameters["sliding_attention"]["rope_theta"] == cfg.rope_local_theta
+        assert hf.query_pre_attn_scalar == cfg.query_pre_attn_scalar
+    elif cfg.rope_scaling:
         assert {k: hf.rope_parameters[k] for k in LLAMA3_SCALING} == LLAMA3_SCALING
 
 
@@ -79,6 +90,20 @@ def test_legacy_rope_config_form():
     assert {k: old.rope_scaling[k] for k in LLAMA3_SCALING} == {k: new.rope_scaling[k] for k in LLAMA3_SCALING}
     plain = ModelConfig.from_hf(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 123.0}))
     assert plain.rope_theta == 123.0 and plain.rope_scaling is None
+
+
+def test_legacy_gemma3_config_form():
+    """Gemma 3 configs before transformers 5: rope_theta/rope_scaling for the global layers,
+    rope_local_base_freq for the sliding ones, and sliding_window_pattern instead of layer_types."""
+    base = dict(model_type="gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    old = ModelConfig.from_hf(dict(base, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                   rope_local_base_freq=1e4, sliding_window_pattern=6))
+    assert old.rope_theta == 1e6 and old.rope_local_theta == 1e4
+    assert old.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert [old.layer_window(i) for i in range(7)] == [8] * 5 + [0, 8]
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelConfig.from_hf(dict(base, final_logit_softcapping=30.0))
 
 
 def test_greedy_matches_hf_generate(family):

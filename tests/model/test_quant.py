@@ -19,7 +19,7 @@ import torch
 from conveyor.model.cpu_kernels import load_cpu_kernels
 from conveyor.model.gguf_loader import convert_gguf, gguf_native_weights
 from conveyor.model.loader import build_model, load_weights, read_config
-from conveyor.model.quant import BLOCK, NATIVE_BLOCK_BYTES, QuantLinear, QuantTensor, dense_module
+from conveyor.model.quant import BLOCK, K_SUPER_BYTES, NATIVE_BLOCK_BYTES, SUPER, QuantLinear, QuantTensor, dense_module
 from model_testlib import conveyor_greedy, conveyor_prompt_logits, logit_atol, random_prompts
 from test_loader import _write_tiny_gguf
 
@@ -56,7 +56,7 @@ def test_kernels_compute_the_gguf_dequantization(qtype):
         torch.testing.assert_close(got16.double(), want16, rtol=1e-2, atol=1e-2)   # the output's bf16 rounding
 
 
-def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor) -> torch.Tensor:
+def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor, plain: bool = False) -> torch.Tensor:
     """x W^T with x per block of 32 as two int8 terms, x ~ d q + d2 q2 (d = max|x| / 127,
     d2 = d / 254, ties to even), in fp64; Q4_1's minima multiply the exact block sums of x."""
     m, k = x.shape
@@ -67,7 +67,7 @@ def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor) -> tor
     d2 = d / 254
     q2 = torch.where(amax > 0, torch.round((xb - d * q) * (1 / d2)).clamp(-127, 127), 0.0)
     xq = (q.double() * d.double() + q2.double() * d2.double()).view(m, k)
-    if w.qtype != "Q4_1":
+    if plain or w.qtype != "Q4_1":
         return xq @ dense.double().T
     raw = w.data.view(w.out_features, k // BLOCK, NATIVE_BLOCK_BYTES["Q4_1"])
     mins = raw[:, :, 2:4].contiguous().view(torch.float16).double().squeeze(-1)   # [out, blocks]
@@ -107,6 +107,70 @@ def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
         assert torch.equal(KERNELS.qgemv(x, w.data, None), KERNELS.gemv(x, dense16, None))
 
 
+def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
+    """Random K-quant super-blocks (gguf cannot quantize to K types): random codes, 6-bit scales and
+    minima (Q4_K) or int8 scales (Q6_K), small fp16 super-block scales; the reference is gguf's
+    dequantization."""
+    g = np.random.default_rng(seed)
+    nbytes = K_SUPER_BYTES[qtype]
+    data = g.integers(0, 256, (rows, cols // SUPER, nbytes), dtype=np.uint8)
+    d = (g.random((rows, cols // SUPER, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_K":
+        data[:, :, 0:4] = d.reshape(rows, cols // SUPER, 4)
+    else:
+        data[:, :, 208:210] = d[:, :, :2].reshape(rows, cols // SUPER, 2) if d.shape[-1] == 2 else d[:, :, :2]
+    data = np.ascontiguousarray(data.reshape(rows, -1))
+    kind = gguf.GGMLQuantizationType[qtype]
+    dense = torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32))
+    return QuantTensor(torch.from_numpy(data), qtype, cols), dense
+
+
+def _q4k_mins(w: QuantTensor) -> torch.Tensor:
+    """Q4_K's minimum per row and block of 32 (dmin times the 6-bit minimum), from the plain bytes."""
+    raw = w.data.view(w.out_features, -1, 144).long()
+    dmin = w.data.view(w.out_features, -1, 144)[:, :, 2:4].contiguous().view(torch.float16).double()  # [rows, sb, 1]
+    sc = raw[:, :, 4:16]
+    mins = []
+    for j in range(8):
+        m = sc[:, :, j + 4] & 63 if j < 4 else (sc[:, :, j + 4] >> 4) | ((sc[:, :, j] >> 6) << 4)
+        mins.append(m)
+    return (dmin * torch.stack(mins, -1).double()).reshape(w.out_features, -1)   # [rows, blocks of 32]
+
+
+@pytest.mark.parametrize("qtype", sorted(K_SUPER_BYTES))
+def test_k_quant_kernel_computes_its_definition(qtype):
+    """Q4_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding give gguf's
+    weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's minima
+    times the exact block sums of x; Q6_K's zero of 32 per 16 weights in integers)."""
+    w, dense = _random_k(qtype, 48, 512, seed=5)
+    r = w.for_int8()
+    assert r.x16 and r.data.dim() == 3 and r.out_features == 48
+    assert r.data.numel() <= (1.31 if qtype == "Q6_K" else 1.03) * w.data.numel()
+    torch.testing.assert_close(KERNELS.qdequant(r.data, 512, torch.float32), dense, rtol=1e-6, atol=1e-7)
+    ids = torch.tensor([[3, 0], [47, 17]])
+    torch.testing.assert_close(KERNELS.qembedding(r.data, ids, 512, torch.float32), dense[ids.view(-1)],
+                               rtol=1e-6, atol=1e-7)
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(48, generator=g)
+    for tokens in (1, 3, 8, 11):
+        x = torch.randn(tokens, 512, generator=g)
+        x[0, 32:64] = 0   # an all-zero block: scale 0
+        if qtype == "Q4_K":
+            mins = _q4k_mins(w)   # dense = scale * code - min: the int8 terms multiply scale * code
+            xb = x.double().view(tokens, -1, BLOCK)
+            want = _int8_reference(x, w, dense + mins.float().repeat_interleave(BLOCK, 1), plain=True) \
+                - xb.sum(-1) @ mins.T
+        else:
+            want = _int8_reference(x, w, dense, plain=True)
+        got = KERNELS.qgemv(x, r.data, bias).double() - bias.double()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        exact = x.double() @ dense.double().T
+        assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+    x16 = torch.randn(3, 512, generator=g).bfloat16()   # bf16 activations: widened, the same arithmetic
+    torch.testing.assert_close(KERNELS.qgemv(x16, r.data, None).float(),
+                               KERNELS.qgemv(x16.float(), r.data, None), rtol=1e-2, atol=1e-2)
+
+
 def test_kernels_refuse_what_they_cannot_read():
     w, _ = _quantized("Q8_0", 4, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -130,17 +194,22 @@ def test_quant_linear_goes_dense_above_its_threshold():
     assert not any(n.endswith("bias") for n in dict(layer.dense.named_parameters()))   # the copy holds no bias
 
 
+def _quantizing(type_of):
+    """A GGUF writer hook storing each 2-D tensor in the type `type_of(name)` gives (None: as is)."""
+    def add_tensor(writer, name, a):
+        qtype = type_of(name) if a.ndim == 2 else None
+        if qtype is None:
+            writer.add_tensor(name, a)
+            return
+        kind = gguf.GGMLQuantizationType[qtype]
+        data = gguf.quants.quantize(a, kind)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    return add_tensor
+
+
 def _tiny_quantized_gguf(hf_model, path, arch: str, qtype: str):
     """The tiny model as a GGUF whose 2-D tensors (embeddings too) are stored in `qtype`."""
-    kind = gguf.GGMLQuantizationType[qtype]
-
-    def add_tensor(writer, name, a):
-        if a.ndim == 2:
-            data = gguf.quants.quantize(a, kind)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, a)
-    return _write_tiny_gguf(hf_model, path, arch, add_tensor=add_tensor)
+    return _write_tiny_gguf(hf_model, path, arch, add_tensor=_quantizing(lambda name: qtype))
 
 
 @pytest.mark.parametrize("name, arch, qtype", [("llama_gqa", "llama", "Q4_1"), ("llama_tied", "llama", "Q8_0"),
@@ -176,14 +245,7 @@ def test_fused_matmul_with_mixed_types_stays_dense(tiny_models, tmp_path, monkey
     """A fused matmul whose pieces are stored in different types (q/k in Q8_0, v in F32) is
     dequantized whole; the other layers' matmuls stay quantized."""
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
-    kind = gguf.GGMLQuantizationType.Q8_0
-
-    def add_tensor(writer, name, a):
-        if a.ndim == 2 and "attn_v" not in name:
-            data = gguf.quants.quantize(a, kind)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-        else:
-            writer.add_tensor(name, a)
+    add_tensor = _quantizing(lambda name: None if "attn_v" in name else "Q8_0")
     path = _write_tiny_gguf(tiny_models("llama_gqa").hf, tmp_path / "mixed.gguf", "llama", add_tensor=add_tensor)
     cfg = read_config(convert_gguf(path, weights=False))
     model = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)), int8_activations=False)
@@ -194,6 +256,32 @@ def test_fused_matmul_with_mixed_types_stays_dense(tiny_models, tmp_path, monkey
     prompts = random_prompts([7, 20], seed=6)
     for got, want in zip(conveyor_prompt_logits(model, prompts), conveyor_prompt_logits(dense, prompts)):
         torch.testing.assert_close(got, want, rtol=0, atol=logit_atol(want))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_matmul_with_two_quantized_types_stays_quantized(tiny_models, tmp_path, monkeypatch, int8):
+    """Pieces quantized in different types (q/k in Q5_0, v in Q8_0, as Gemma 3's Q4_K_M file stores
+    them) stay as stored, one kernel call per type (QuantConcat), and give the dequantized model's
+    logits (int8 activations: close to them); the fused decode loop is not used for such layers."""
+    from conveyor.model.quant import QuantConcat
+
+    if int8 and not KERNELS.quant_int8_native():
+        pytest.skip("no AVX512-VNNI here")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    add_tensor = _quantizing(lambda name: "Q8_0" if "attn_v" in name else "Q5_0")
+    path = _write_tiny_gguf(tiny_models("qwen2").hf, tmp_path / "two.gguf", "qwen2", add_tensor=add_tensor)
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q5_0", "Q8_0")), int8_activations=int8)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantConcat) and [p.qtype for p in qkv.parts] == ["Q5_0", "Q8_0"]
+    assert qkv.bias is not None and qkv.bias.abs().sum() > 0   # Qwen2's q/k/v biases, added once
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear) and model.fused_decode_tokens == 0
+    dense = build_model(cfg, load_weights(convert_gguf(path)))
+    prompts = random_prompts([7, 20], seed=6)
+    for got, want in zip(conveyor_prompt_logits(model, prompts), conveyor_prompt_logits(dense, prompts)):
+        torch.testing.assert_close(got, want, rtol=0, atol=(30 if int8 else 1) * logit_atol(want))
+    if not int8:
+        assert conveyor_greedy(model, prompts, 8).tokens == conveyor_greedy(dense, prompts, 8).tokens
 
 
 @pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")

@@ -9,10 +9,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_", &rope_, "rotate-half RoPE in place on [T, heads, d] (fp32 or bf16)");
     m.def("write_kv", &write_kv, "write new K and V rows into the paged caches through the slot mapping");
     m.def("gemv", &gemv, "x W^T (+ b) for a few token rows, streaming a plain row-major weight (fp32 or bf16)");
-    m.def("qgemv", &qgemv, "x W^T (+ b) from a GGUF-quantized weight as stored (Q4_0, Q4_1, Q8_0), any token count");
+    m.def("qgemv", &qgemv, "x W^T (+ b) from a GGUF-quantized weight as stored (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q6_K in the x16 layout), any token count");
     m.def("qdequant", &qdequant, "a GGUF-quantized weight (either layout) to a dense fp32 or bf16 tensor");
     m.def("qembedding", &qembedding, "rows of a GGUF-quantized table (an embedding lookup), widened");
     m.def("qrepack", &qrepack, "a GGUF-quantized weight in the x16 layout of the int8 (AVX512-VNNI) kernel");
+    m.def("krepack", &krepack, "a GGUF K-quant weight (Q4_K, Q6_K) in the 3-D x16 layout of the int8 kernel");
     m.def("quant_int8_native", &quant_int8_native, "whether the x16 layout runs on AVX512-VNNI here");
     m.def("set_gemv_prefetch_single", &set_gemv_prefetch_single, "software prefetch in one-token GEMV passes (speed only)");
     m.def("gemv_prefetch_single", &gemv_prefetch_single, "whether one-token GEMV passes prefetch");

@@ -46,7 +46,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
         rope_(q, positions, cos, sin);
         rope_(k, positions, cos, sin);
         write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
-        auto attn = paged_decode(q, k_caches[i], v_caches[i], block_tables, context_lens, scale).view({M, q_size});
+        auto attn = paged_decode(q, k_caches[i], v_caches[i], block_tables, context_lens, scale, 0).view({M, q_size});
         h = add_rms_norm(linear_any(attn, w[kO], c10::nullopt), res, w[kPostNorm], eps);
         x = linear_any(silu_mul(linear_any(h, w[kGateUp], maybe(w[kGateUpBias]))), w[kDown], maybe(w[kDownBias]));
     }

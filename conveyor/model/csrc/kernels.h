@@ -8,7 +8,7 @@
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -21,6 +21,7 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tenso
 torch::Tensor qdequant(torch::Tensor w, int64_t K, at::ScalarType dtype);
 torch::Tensor qembedding(torch::Tensor w, torch::Tensor ids, int64_t K, at::ScalarType dtype);
 torch::Tensor qrepack(torch::Tensor w, int64_t K);
+torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes);
 bool quant_int8_native();
 torch::Tensor linear_any(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void set_gemv_prefetch_single(bool on);

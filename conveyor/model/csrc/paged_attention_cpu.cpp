@@ -7,6 +7,7 @@
 // k/v_cache:    [KVH, num_blocks, block_size, d]
 // block_tables: [D, max_blocks] int64
 // context_lens: [D] int64                 tokens of context (including the new one)
+// window:       > 0: a query attends to its last `window` tokens only (sliding-window layers)
 // returns       [D, H, d]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -62,36 +63,28 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int n)
 template <typename T, int HD>
 void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
                  int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t d, int64_t max_blocks,
-                 float scale) {
+                 float scale, int64_t window) {
     const int64_t G = H / KVH;
     const int64_t head_stride = num_blocks * bs * d;  // one KV head of the cache
     at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores, acc, row(d);
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = item / KVH, h = item % KVH;
-            const int64_t L = lens[s];
+            const int64_t L = lens[s], first = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - first;
             const int64_t* table = tables + s * max_blocks;
             const float* qs = q + (s * H + h * G) * d;
             const T* kh = kc + h * head_stride;
             const T* vh = vc + h * head_stride;
-            scores.assign(G * L, 0.f);
-            for (int64_t t0 = 0; t0 < L; t0 += bs) {   // one block at a time: its rows are contiguous
-                const T* kb = kh + table[t0 / bs] * bs * d;
-                const int64_t n = std::min(bs, L - t0);
-                for (int64_t o = 0; o < n; ++o) {
-                    load_row<T, HD>(kb + o * d, row.data(), (int)d);
-                    for (int64_t g = 0; g < G; ++g) scores[g * L + t0 + o] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
-                }
+            scores.assign(G * n, 0.f);
+            for (int64_t t = first; t < L; ++t) {
+                load_row<T, HD>(kh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+                for (int64_t g = 0; g < G; ++g) scores[g * n + t - first] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
             }
-            softmax_rows(scores.data(), G, L);
+            softmax_rows(scores.data(), G, n);
             acc.assign(G * d, 0.f);
-            for (int64_t t0 = 0; t0 < L; t0 += bs) {
-                const T* vb = vh + table[t0 / bs] * bs * d;
-                const int64_t n = std::min(bs, L - t0);
-                for (int64_t o = 0; o < n; ++o) {
-                    load_row<T, HD>(vb + o * d, row.data(), (int)d);
-                    for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * L + t0 + o], (int)d);
-                }
+            for (int64_t t = first; t < L; ++t) {
+                load_row<T, HD>(vh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+                for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * n + t - first], (int)d);
             }
             std::copy(acc.begin(), acc.end(), out + (s * H + h * G) * d);
         }
@@ -128,8 +121,8 @@ inline void prefetch_rows(const T* head, const int64_t* table, int64_t from, int
 // One (sequence, KV head) with G query heads of HD dims, vectors in registers: scores 16 tokens
 // at a time, the weighted sum of V rows into G x HD/16 accumulators that never leave registers.
 template <typename T, int HD, int G>
-void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t L, int64_t bs,
-                        float* out, float scale, std::vector<float>& scores) {
+void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t L,
+                        int64_t bs, float* out, float scale, std::vector<float>& scores) {
     constexpr int C = HD / 16;
     __m512 q[G][C];
     for (int g = 0; g < G; ++g)
@@ -142,8 +135,9 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
         for (int g = 0; g < G; ++g)
             for (int c = 0; c < HD / 32; ++c) qb[g][c] = _mm512_cvtne2ps_pbh(q[g][2 * c + 1], q[g][2 * c]);
 #endif
-    scores.resize(G * L);
-    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int64_t N = L - first;   // tokens attended
+    scores.resize(G * N);
+    for (int64_t t0 = first; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         const T* rows[16];
         for (int64_t j = 0; j < n; ++j) {
@@ -172,20 +166,20 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
                 for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[g][c], load16<T>(rows[j] + 16 * c), s);
                 part[j] = s;
             }
-            _mm512_mask_storeu_ps(scores.data() + g * L + t0, (__mmask16)((1u << n) - 1), reduce16(part));
+            _mm512_mask_storeu_ps(scores.data() + g * N + t0 - first, (__mmask16)((1u << n) - 1), reduce16(part));
         }
     }
-    softmax_rows(scores.data(), G, L);
+    softmax_rows(scores.data(), G, N);
     __m512 acc[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-        if (t % 16 == 0) prefetch_rows(vh, table, t + 16, std::min<int64_t>(L, t + 32), bs, HD);
+    for (int64_t t = first; t < L; ++t) {
+        if ((t - first) % 16 == 0) prefetch_rows(vh, table, t + 16, std::min<int64_t>(L, t + 32), bs, HD);
         const T* vt = vh + (table[t / bs] * bs + t % bs) * HD;
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = load16<T>(vt + 16 * c);
         for (int g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+            const __m512 p = _mm512_set1_ps(scores[g * N + t - first]);
             for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
         }
     }
@@ -195,15 +189,16 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
 
 template <typename T, int HD, int G>
 void decode_avx512(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
-                   int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t max_blocks, float scale) {
+                   int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t max_blocks, float scale,
+                   int64_t window) {
     const int64_t head_stride = num_blocks * bs * HD;
     at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = item / KVH, h = item % KVH;
             decode_item_avx512<T, HD, G>(q + (s * H + h * G) * HD, kc + h * head_stride, vc + h * head_stride,
-                                         tables + s * max_blocks, lens[s], bs, out + (s * H + h * G) * HD, scale,
-                                         scores);
+                                         tables + s * max_blocks, window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0,
+                                         lens[s], bs, out + (s * H + h * G) * HD, scale, scores);
         }
     });
 }
@@ -211,15 +206,15 @@ void decode_avx512(const float* q, const T* kc, const T* vc, const int64_t* tabl
 // Register-blocked kernels for the shapes of common models (accumulators must fit in registers).
 template <typename T, int HD>
 bool try_avx512(int64_t G, const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
-                float* out, int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t MB, float scale) {
+                float* out, int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t MB, float scale, int64_t W) {
     switch (HD == 64 ? G : G + 100) {
-        case 1: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 2: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 3: decode_avx512<T, HD, 3>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 4: decode_avx512<T, HD, 4>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 5: decode_avx512<T, HD, 5>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 101: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
-        case 102: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale); return true;
+        case 1: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 2: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 3: decode_avx512<T, HD, 3>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 4: decode_avx512<T, HD, 4>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 5: decode_avx512<T, HD, 5>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 101: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
+        case 102: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
         default: return false;
     }
 }
@@ -227,21 +222,23 @@ bool try_avx512(int64_t G, const float* q, const T* kc, const T* vc, const int64
 
 template <typename T>
 void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
-              int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t MB, float scale) {
+              int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t MB, float scale,
+              int64_t W) {
 #if defined(__AVX512F__)
     const int64_t G = H / KVH;
-    if (d == 64 && try_avx512<T, 64>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale)) return;
-    if (d == 128 && try_avx512<T, 128>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale)) return;
+    if (d == 64 && try_avx512<T, 64>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W)) return;
+    if (d == 128 && try_avx512<T, 128>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W)) return;
 #endif
-    if (d == 64) decode_impl<T, 64>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
-    else if (d == 128) decode_impl<T, 128>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
-    else decode_impl<T, 0>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale);
+    if (d == 64) decode_impl<T, 64>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
+    else if (d == 256) decode_impl<T, 256>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
+    else if (d == 128) decode_impl<T, 128>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
+    else decode_impl<T, 0>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
 }
 
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {
     const auto kv_type = k_cache.scalar_type();
     TORCH_CHECK(kv_type == torch::kFloat32 || kv_type == torch::kBFloat16, "fp32 or bf16 cache");
     TORCH_CHECK(v_cache.scalar_type() == kv_type, "K and V caches of one dtype");
@@ -258,11 +255,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (kv_type == torch::kFloat32) {
         dispatch<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<float>(), D, H, KVH, NB, BS, d,
-                        bt.size(1), (float)scale);
+                        bt.size(1), (float)scale, window);
     } else {
         dispatch<at::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                                v_cache.data_ptr<at::BFloat16>(), bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
-                               out.data_ptr<float>(), D, H, KVH, NB, BS, d, bt.size(1), (float)scale);
+                               out.data_ptr<float>(), D, H, KVH, NB, BS, d, bt.size(1), (float)scale, window);
     }
     return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }

@@ -1,6 +1,6 @@
-// Matmuls computed from GGUF-quantized weights as stored (Q4_0, Q4_1, Q8_0): y = x W^T (+ b)
-// with W kept in its blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and 4- or
-// 8-bit codes), never a dense copy. A decode step is bound by reading the weights, and a Q4_1
+// Matmuls computed from GGUF-quantized weights as stored (Q4_0, Q4_1, Q5_0, Q8_0): y = x W^T (+ b)
+// with W kept in its blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and 4-, 5- or
+// 8-bit codes; Q5_0's fifth bits are one 32-bit word per block), never a dense copy. A decode step is bound by reading the weights, and a Q4_1
 // weight is 0.625 bytes against 2 (bf16) or 4 (fp32). Three kernels:
 // - plain layout, fp32 activations: each block widened to fp32 in registers (AVX-512) and FMAs,
 //   so the only difference from the dequantized fp32 model is the order of the sums;
@@ -8,7 +8,7 @@
 //   (the dense bf16 GEMV's arithmetic on the dequantized bf16 weights);
 // - the x16 layout (below): int8 dot products against activations as two int8 terms (VNNI).
 // A plain row: ggml's blocks one after another along K. The type follows from the row's bytes
-// per block of 32 (Q4_0: 18, Q4_1: 20, Q8_0: 34; x16: 16 times that per group of 16 rows).
+// per block of 32 (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34; x16: 16 times that per group of 16 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,7 +29,7 @@ namespace {
 using conveyor::narrow;
 using conveyor::widen;
 
-enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ8_0 = 34 };   // bytes per block of 32 weights
+enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ8_0 = 34 };   // bytes per block of 32 weights
 constexpr int kBlock = 32;
 constexpr int kMaxM = 8;    // tokens per pass over the weight
 constexpr int64_t kPrefetchBytes = 2048;
@@ -48,6 +48,28 @@ inline void with_tokens(int64_t count, F&& f) {
         case 7: f(std::integral_constant<int, 7>{}); break;
         default: f(std::integral_constant<int, 8>{}); break;
     }
+}
+
+// f(std::integral_constant<int, QT>{}) for the block type `qt` (one of QType).
+template <typename F>
+inline void with_qtype(int qt, F&& f) {
+    switch (qt) {
+        case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); break;
+        case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
+        case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
+        default: f(std::integral_constant<int, kQ8_0>{}); break;
+    }
+}
+
+// Where a plain block's codes start (after its scale, Q4_1's minimum, Q5_0's fifth bits).
+constexpr int code_offset(int QT) { return QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 2; }
+// A code's unsigned offset: weight = scale * (code - offset) (+ minimum, Q4_1).
+constexpr int code_zero(int QT) { return QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : QT == kQ8_0 ? 128 : 0; }
+
+inline uint32_t u32_at(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
 }
 
 // f(mc, m, n0, n1): each thread's share of the N output rows (in blocks of 16: 576 rows in
@@ -79,11 +101,12 @@ inline void dequant_block(const uint8_t* b, float* out) {
         const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
         for (int i = 0; i < kBlock; ++i) out[i] = d * q[i];
     } else {
-        const float m = QT == kQ4_1 ? half_at(b + 2) : -8.f * d;
-        const uint8_t* q = b + (QT == kQ4_1 ? 4 : 2);
+        const float m = QT == kQ4_1 ? half_at(b + 2) : -(float)code_zero(QT) * d;
+        const uint8_t* q = b + code_offset(QT);
+        const uint32_t qh = QT == kQ5_0 ? u32_at(b + 2) : 0;   // bit i: weight i's fifth bit
         for (int i = 0; i < 16; ++i) {
-            out[i] = std::fma((float)(q[i] & 0x0F), d, m);
-            out[i + 16] = std::fma((float)(q[i] >> 4), d, m);
+            out[i] = std::fma((float)((q[i] & 0x0F) | (((qh >> i) & 1) << 4)), d, m);
+            out[i + 16] = std::fma((float)((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)), d, m);
         }
     }
 }
@@ -100,12 +123,20 @@ inline void dequant_block16(const uint8_t* b, __m512& w0, __m512& w1) {
         w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                                   reinterpret_cast<const __m128i*>(b + 18)))));
     } else {
-        const __m512 m = QT == kQ4_1 ? _mm512_set1_ps(half_at(b + 2)) : _mm512_set1_ps(-8.f * half_at(b));
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QT == kQ4_1 ? 4 : 2)));
+        const __m512 m = QT == kQ4_1 ? _mm512_set1_ps(half_at(b + 2))
+                                     : _mm512_set1_ps(-(float)code_zero(QT) * half_at(b));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + code_offset(QT)));
         const __m128i nib = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+        __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+        if constexpr (QT == kQ5_0) {   // + 16 where the fifth bit is set
+            const uint32_t qh = u32_at(b + 2);
+            const __m512 sixteen = _mm512_set1_ps(16.f);
+            c0 = _mm512_mask_add_ps(c0, (__mmask16)(qh & 0xFFFF), c0, sixteen);
+            c1 = _mm512_mask_add_ps(c1, (__mmask16)(qh >> 16), c1, sixteen);
+        }
+        w0 = _mm512_fmadd_ps(c0, d, m);
+        w1 = _mm512_fmadd_ps(c1, d, m);
     }
 }
 
@@ -253,8 +284,9 @@ void qgemv_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 // per 16 rows. Group g, block b at (g * nb + b) * 16 * QT bytes (the same bytes as the rows):
 //   16 fp16 scales (row j at 2j); Q4_1: then 16 fp16 minima;
 //   the codes in 64-byte chunks, bytes 4j..4j+3 of a chunk being row j's:
-//     Q4_0/Q4_1: 4 chunks, chunk c = the row's code bytes 4c..4c+3 (low nibbles: weights 4c..4c+3,
-//                high nibbles: weights 16+4c..16+4c+3, as ggml packs them);
+//     Q4_0/Q4_1/Q5_0: 4 chunks, chunk c = the row's code bytes 4c..4c+3 (low nibbles: weights
+//                4c..4c+3, high nibbles: weights 16+4c..16+4c+3, as ggml packs them); Q5_0: then
+//                a fifth chunk, bytes 4j..4j+3 = row j's 32 fifth bits (its block's word);
 //     Q8_0: 8 chunks, chunk t = weights 4t..4t+3, each + 128 (unsigned).
 // Activations are rounded per token and block of 32 to two int8 terms (quantize_x): that, not
 // the weights, is this path's only rounding beyond the fp32 one's.
@@ -263,7 +295,7 @@ constexpr int kRows = 16;
 constexpr int header_bytes(int QT) { return QT == kQ4_1 ? 4 : 2; }
 
 struct QInfo {
-    int qt;       // bytes per plain block of 32: kQ4_0, kQ4_1 or kQ8_0
+    int qt;       // bytes per plain block of 32: one of QType
     bool x16;     // interleaved layout
     int64_t N;    // output features
 };
@@ -277,7 +309,8 @@ QInfo qinfo(const torch::Tensor& w, int64_t K) {
     int64_t bs = w.size(1) / nb;
     const bool x16 = bs % kRows == 0;
     if (x16) bs /= kRows;
-    TORCH_CHECK(bs == kQ4_0 || bs == kQ4_1 || bs == kQ8_0, "unknown block size ", bs, " (Q4_0, Q4_1, Q8_0 only)");
+    TORCH_CHECK(bs == kQ4_0 || bs == kQ4_1 || bs == kQ5_0 || bs == kQ8_0, "unknown block size ", bs,
+                " (Q4_0, Q4_1, Q5_0, Q8_0 only)");
     return {(int)bs, x16, x16 ? w.size(0) * kRows : w.size(0)};
 }
 
@@ -286,12 +319,13 @@ template <int QT>
 inline const uint8_t* plain_block(const uint8_t* w, bool x16, int64_t nb, int64_t n, int64_t b, uint8_t* tmp) {
     if (!x16) return w + (n * nb + b) * QT;
     const uint8_t* blk = w + ((n / kRows) * nb + b) * kRows * QT;
-    const int j = (int)(n % kRows), hdr = header_bytes(QT);
+    const int j = (int)(n % kRows), hdr = header_bytes(QT), co = code_offset(QT);
     std::memcpy(tmp, blk + 2 * j, 2);
     if (QT == kQ4_1) std::memcpy(tmp + 2, blk + 2 * kRows + 2 * j, 2);
     const uint8_t* codes = blk + kRows * hdr;
     for (int c = 0; c < (QT == kQ8_0 ? 8 : 4); ++c)
-        for (int i = 0; i < 4; ++i) tmp[hdr + 4 * c + i] = codes[c * 64 + 4 * j + i] ^ (QT == kQ8_0 ? 0x80 : 0);
+        for (int i = 0; i < 4; ++i) tmp[co + 4 * c + i] = codes[c * 64 + 4 * j + i] ^ (QT == kQ8_0 ? 0x80 : 0);
+    if (QT == kQ5_0) std::memcpy(tmp + 2, codes + 4 * 64 + 4 * j, 4);
     return tmp;
 }
 
@@ -309,7 +343,8 @@ void repack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
                     if (QT == kQ4_1) std::memcpy(o + 2 * kRows + 2 * j, blk + 2, 2);
                     for (int c = 0; c < (QT == kQ8_0 ? 8 : 4); ++c)
                         for (int i = 0; i < 4; ++i)
-                            codes[c * 64 + 4 * j + i] = blk[hdr + 4 * c + i] ^ (QT == kQ8_0 ? 0x80 : 0);
+                            codes[c * 64 + 4 * j + i] = blk[code_offset(QT) + 4 * c + i] ^ (QT == kQ8_0 ? 0x80 : 0);
+                    if (QT == kQ5_0) std::memcpy(codes + 4 * 64 + 4 * j, blk + 2, 4);
                 }
             }
     });
@@ -320,11 +355,12 @@ void repack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
 // One int8 term alone (llama.cpp's scheme) moved the demo model's logits by a mean KL of 0.017 and
 // changed 6% of its greedy tokens against the dequantized model; with the second the rounding is
 // max|x| / 64516 per block, below bf16's. Each term is its own dot product with the same codes.
-// qsum, qsum2: sums of q, q2 (the codes' offset); sum: the exact sum of x (Q4_1's minimum).
+// qsum, qsum2: sums of q, q2 (the codes' offset); qsum_lo, qsum2_lo: the same over the block's
+// first 16 (Q6_K's scales are per 16 weights); sum: the exact sum of x (Q4_1's, Q4_K's minimum).
 struct QuantX {
     std::vector<int8_t> q, q2;
     std::vector<float> d, d2, sum;
-    std::vector<int32_t> qsum, qsum2;
+    std::vector<int32_t> qsum, qsum2, qsum_lo, qsum2_lo;
 };
 
 // One block of 32 activations (r: its index in the QuantX arrays).
@@ -358,6 +394,10 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16 * h), _mm512_cvtsepi32_epi8(v2));
         qs = _mm512_add_epi32(qs, v);
         q2s = _mm512_add_epi32(q2s, v2);
+        if (h == 0) {
+            X.qsum_lo[r] = _mm512_reduce_add_epi32(v);
+            X.qsum2_lo[r] = _mm512_reduce_add_epi32(v2);
+        }
     }
     X.qsum[r] = _mm512_reduce_add_epi32(qs);
     X.qsum2[r] = _mm512_reduce_add_epi32(q2s);
@@ -370,6 +410,10 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
         q2[i] = (int8_t)v2;
         qsum += v;
         qsum2 += v2;
+        if (i == 15) {
+            X.qsum_lo[r] = qsum;
+            X.qsum2_lo[r] = qsum2;
+        }
     }
     X.qsum[r] = qsum;
     X.qsum2[r] = qsum2;
@@ -382,7 +426,8 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
 QuantX quantize_x(const float* x, int64_t M, int64_t K) {
     const int64_t nb = K / kBlock, n = M * nb;
     QuantX X{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(n), std::vector<float>(n),
-             std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n)};
+             std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n), std::vector<int32_t>(n),
+             std::vector<int32_t>(n)};
     at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) quantize_block(x + r * kBlock, X, r);
     });
@@ -392,12 +437,32 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHaveVnni = true;
 
+// A group's 16 output rows of M tokens (lane j: row n0 + j), plus the bias, into y.
+template <int M, typename T>
+inline void store_group(const __m512 (&acc)[M], const T* bias, T* y, int64_t ldy, int64_t m0, int64_t n0) {
+    alignas(64) float out[kRows];
+    for (int m = 0; m < M; ++m) {
+        _mm512_store_ps(out, acc[m]);
+        T* ym = y + (m0 + m) * ldy + n0;
+        for (int j = 0; j < kRows; ++j) narrow(out[j] + (bias ? widen(bias[n0 + j]) : 0.f), ym + j);
+    }
+}
+
+// f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
+template <typename F>
+inline void group_passes(int64_t N, int64_t M, F&& f) {
+    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t m = 0; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m, g); });
+    });
+}
+
 // One group of 16 output rows for M tokens.
 template <int QT, int M, typename T>
 inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
                       int64_t n0) {
     constexpr int hdr = header_bytes(QT);
-    constexpr int off = QT == kQ4_0 ? 8 : QT == kQ8_0 ? 128 : 0;   // the codes' unsigned offset
+    constexpr int off = code_zero(QT);
     const int64_t K = nb * kBlock;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -419,6 +484,26 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
                 const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
                 codes[c] = _mm512_and_si512(raw, nib);
                 codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+            }
+            if constexpr (QT == kQ5_0) {
+                // Lane j's word holds row j's fifth bits; chunk c's byte i is weight 4c + i (low
+                // nibbles) or 16 + 4c + i (high): bits 4c..4c+3 of the word go to bit 4 of bytes 0..3.
+                // Multiplying 4 bits by 1 + 2^7 + 2^14 + 2^21 puts bit i at 8i (no carries).
+                const __m512i qh = _mm512_loadu_si512(cp + 64 * 4);
+                const __m512i four = _mm512_set1_epi32(0xF), spread = _mm512_set1_epi32(0x00204081),
+                              ones = _mm512_set1_epi32(0x01010101);
+                auto fifth = [&](__m512i bits) {
+                    return _mm512_slli_epi32(
+                        _mm512_and_si512(_mm512_mullo_epi32(_mm512_and_si512(bits, four), spread), ones), 4);
+                };
+                codes[0] = _mm512_or_si512(codes[0], fifth(qh));
+                codes[1] = _mm512_or_si512(codes[1], fifth(_mm512_srli_epi32(qh, 4)));
+                codes[2] = _mm512_or_si512(codes[2], fifth(_mm512_srli_epi32(qh, 8)));
+                codes[3] = _mm512_or_si512(codes[3], fifth(_mm512_srli_epi32(qh, 12)));
+                codes[4] = _mm512_or_si512(codes[4], fifth(_mm512_srli_epi32(qh, 16)));
+                codes[5] = _mm512_or_si512(codes[5], fifth(_mm512_srli_epi32(qh, 20)));
+                codes[6] = _mm512_or_si512(codes[6], fifth(_mm512_srli_epi32(qh, 24)));
+                codes[7] = _mm512_or_si512(codes[7], fifth(_mm512_srli_epi32(qh, 28)));
             }
         }
         for (int m = 0; m < M; ++m) {
@@ -449,23 +534,14 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
             if constexpr (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X.sum[r]), acc[m]);
         }
     }
-    alignas(64) float out[kRows];
-    for (int m = 0; m < M; ++m) {
-        _mm512_store_ps(out, acc[m]);
-        T* ym = y + (m0 + m) * ldy + n0;
-        for (int j = 0; j < kRows; ++j) narrow(out[j] + (bias ? widen(bias[n0 + j]) : 0.f), ym + j);
-    }
+    store_group<M>(acc, bias, y, ldy, m0, n0);
 }
 
 template <int QT, typename T>
 void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
     const int64_t nb = K / kBlock, gbytes = nb * kRows * QT;
-    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-            for (int64_t m = 0; m < M; m += kMaxM)
-                with_tokens(M - m, [&](auto mc) {
-                    x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, N, g * kRows);
-                });
+    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
+        x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, N, g * kRows);
     });
 }
 #else
@@ -476,7 +552,7 @@ constexpr bool kHaveVnni = false;
 template <int QT, typename T>
 void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
     const int64_t nb = K / kBlock;
-    const int off = QT == kQ4_0 ? 8 : QT == kQ8_0 ? 128 : 0;
+    constexpr int off = code_zero(QT);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         uint8_t tmp[kQ8_0];
         for (int64_t n = n0; n < n1; ++n)
@@ -491,8 +567,9 @@ void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64
                         int code;
                         if (QT == kQ8_0) code = (int)reinterpret_cast<const int8_t*>(blk + 2)[i] + 128;
                         else {
-                            const uint8_t byte = blk[header_bytes(QT) + (i % 16)];
+                            const uint8_t byte = blk[code_offset(QT) + (i % 16)];
                             code = i < 16 ? (byte & 0x0F) : (byte >> 4);
+                            if (QT == kQ5_0) code |= ((u32_at(blk + 2) >> i) & 1) << 4;
                         }
                         dot += code * xq[i];
                         dot2 += code * xq2[i];
@@ -523,11 +600,7 @@ void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const 
 
 template <typename T>
 void dispatch_qgemv(const QInfo& info, const float* x, int64_t M, int64_t K, const uint8_t* w, const T* bias, T* y) {
-    switch (info.qt) {
-        case kQ4_0: qgemv_typed<kQ4_0, T>(info, x, M, K, w, bias, y); break;
-        case kQ4_1: qgemv_typed<kQ4_1, T>(info, x, M, K, w, bias, y); break;
-        default: qgemv_typed<kQ8_0, T>(info, x, M, K, w, bias, y); break;
-    }
+    with_qtype(info.qt, [&](auto qt) { qgemv_typed<decltype(qt)::value, T>(info, x, M, K, w, bias, y); });
 }
 
 // Rows `ids` (all rows when ids is null) of a quantized weight, widened to T.
@@ -564,15 +637,323 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
     const uint8_t* wp = w.data_ptr<uint8_t>();
     auto run = [&](auto* o) {
         using T = std::remove_pointer_t<decltype(o)>;
-        switch (info.qt) {
-            case kQ4_0: dequant_impl<kQ4_0, T>(wp, info.x16, K, ids, rows, o); break;
-            case kQ4_1: dequant_impl<kQ4_1, T>(wp, info.x16, K, ids, rows, o); break;
-            default: dequant_impl<kQ8_0, T>(wp, info.x16, K, ids, rows, o); break;
-        }
+        with_qtype(info.qt, [&](auto qt) { dequant_impl<decltype(qt)::value, T>(wp, info.x16, K, ids, rows, o); });
     };
     if (dtype == torch::kBFloat16) run(out.data_ptr<at::BFloat16>());
     else run(out.data_ptr<float>());
     return out;
+}
+
+// ---- K-quants (Q4_K, Q6_K): super-blocks of 256 weights, in an x16 layout only ------------------
+// ggml's plain super-blocks (bytes per 256 weights):
+//   Q4_K (144): d, dmin (fp16); 12 bytes of 6-bit scales and minima of 8 sub-blocks of 32; 128 bytes
+//     of 4-bit codes, bytes 32p..32p+31 holding sub-block 2p (low nibbles) and 2p+1 (high nibbles);
+//     weight = d * scale * code - dmin * min.
+//   Q6_K (210): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per 16
+//     weights), d (fp16); weight = d * scale * (code - 32).
+// The x16 layout is a 3-D tensor [N / 16, super-blocks, bytes] (its shape tells it from the 32-blocks'
+// layouts); per group of 16 rows and super-block, lane j being row j:
+//   Q4_K (2368 = 16 x 148): 16 d, 16 dmin (fp16); 8 x 16 scale bytes (sub-block-major); 8 x 16 min
+//     bytes; then per pair p of sub-blocks 8 chunks of 64 bytes, chunk t holding in lane j row j's
+//     code bytes 32p + 4t .. 32p + 4t + 3 (low nibbles: sub-block 2p's weights 4t..4t+3; high: 2p+1's);
+//   Q6_K (4384 = 16 x 274): 16 d (fp16); 16 x 16 scale bytes (int8, per 16 weights); then per block b
+//     of 32 weights 8 chunks of 64 bytes, chunk t holding in lane j row j's codes of weights
+//     32b + 4t .. 32b + 4t + 3, a byte each (widened at repack: 1.3x the file's bytes for these;
+//     Q4_K's layout is 1.03x).
+// Only the int8 (two-term activation) arithmetic of the 32-blocks' x16 kernel runs them.
+enum KType { kQ4_K = 144, kQ6_K = 210 };   // bytes per plain super-block of 256
+constexpr int kSuper = 256;
+constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : 4384; }
+
+template <typename F>
+inline void with_ktype(int kt, F&& f) {
+    if (kt == kQ4_K) f(std::integral_constant<int, kQ4_K>{});
+    else f(std::integral_constant<int, kQ6_K>{});
+}
+
+int ktype_of_x16(int64_t bytes) {
+    TORCH_CHECK(bytes == kx16_bytes(kQ4_K) || bytes == kx16_bytes(kQ6_K), "unknown K-quant x16 layout (",
+                bytes, " bytes per super-block)");
+    return bytes == kx16_bytes(kQ4_K) ? kQ4_K : kQ6_K;
+}
+
+// Q4_K's 6-bit scale and minimum of sub-block j (ggml's packing of 8 pairs into 12 bytes).
+inline void q4k_scale_min(const uint8_t* sc, int j, uint8_t& scale, uint8_t& min) {
+    if (j < 4) {
+        scale = sc[j] & 63;
+        min = sc[j + 4] & 63;
+    } else {
+        scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+// Q6_K's 256 6-bit codes, one per byte.
+inline void q6k_codes(const uint8_t* b, uint8_t* codes) {
+    for (int h = 0; h < 2; ++h) {   // halves of 128 weights
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        uint8_t* c = codes + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+            c[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            c[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            c[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            c[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+}
+
+template <int KT>
+void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
+    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+        uint8_t codes[kSuper];
+        for (int64_t g = g0; g < g1; ++g)
+            for (int64_t s = 0; s < ns; ++s) {
+                uint8_t* o = dst + (g * ns + s) * kx16_bytes(KT);
+                for (int j = 0; j < kRows; ++j) {
+                    const uint8_t* b = src + ((g * kRows + j) * ns + s) * KT;
+                    if constexpr (KT == kQ4_K) {
+                        std::memcpy(o + 2 * j, b, 2);
+                        std::memcpy(o + 32 + 2 * j, b + 2, 2);
+                        for (int sub = 0; sub < 8; ++sub) q4k_scale_min(b + 4, sub, o[64 + 16 * sub + j], o[192 + 16 * sub + j]);
+                        for (int p = 0; p < 4; ++p)
+                            for (int t = 0; t < 8; ++t)
+                                for (int i = 0; i < 4; ++i) o[320 + 512 * p + 64 * t + 4 * j + i] = b[16 + 32 * p + 4 * t + i];
+                    } else {
+                        std::memcpy(o + 2 * j, b + 208, 2);
+                        for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = b[192 + i];
+                        q6k_codes(b, codes);
+                        for (int blk = 0; blk < 8; ++blk)
+                            for (int t = 0; t < 8; ++t)
+                                for (int i = 0; i < 4; ++i) o[288 + 512 * blk + 64 * t + 4 * j + i] = codes[32 * blk + 4 * t + i];
+                    }
+                }
+            }
+    });
+}
+
+// Row n's super-block s from the x16 layout: 256 codes, and per 16 weights a scale and a minimum
+// (weight = scale * code - minimum; Q6_K's minimum is 32 scales).
+template <int KT>
+void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes, float* scale16, float* min16) {
+    const uint8_t* o = w + ((n / kRows) * ns + s) * kx16_bytes(KT);
+    const int j = (int)(n % kRows);
+    if constexpr (KT == kQ4_K) {
+        const float d = half_at(o + 2 * j), dmin = half_at(o + 32 + 2 * j);
+        for (int sub = 0; sub < 8; ++sub) {
+            scale16[2 * sub] = scale16[2 * sub + 1] = d * (float)o[64 + 16 * sub + j];
+            min16[2 * sub] = min16[2 * sub + 1] = dmin * (float)o[192 + 16 * sub + j];
+        }
+        for (int p = 0; p < 4; ++p)
+            for (int t = 0; t < 8; ++t)
+                for (int i = 0; i < 4; ++i) {
+                    const uint8_t byte = o[320 + 512 * p + 64 * t + 4 * j + i];
+                    codes[64 * p + 4 * t + i] = byte & 0xF;
+                    codes[64 * p + 32 + 4 * t + i] = byte >> 4;
+                }
+    } else {
+        const float d = half_at(o + 2 * j);
+        for (int i = 0; i < 16; ++i) {
+            scale16[i] = d * (float)(int8_t)o[32 + 16 * i + j];
+            min16[i] = 32.f * scale16[i];
+        }
+        for (int blk = 0; blk < 8; ++blk)
+            for (int t = 0; t < 8; ++t)
+                for (int i = 0; i < 4; ++i) codes[32 * blk + 4 * t + i] = o[288 + 512 * blk + 64 * t + 4 * j + i];
+    }
+}
+
+template <int KT, typename T>
+void kdequant_impl(const uint8_t* w, int64_t K, const int64_t* ids, int64_t rows, T* out) {
+    const int64_t ns = K / kSuper;
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        uint8_t codes[kSuper];
+        float scale16[16], min16[16];
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t n = ids ? ids[r] : r;
+            for (int64_t s = 0; s < ns; ++s) {
+                kx16_row<KT>(w, ns, n, s, codes, scale16, min16);
+                T* o = out + r * K + s * kSuper;
+                for (int i = 0; i < kSuper; ++i) narrow(std::fma((float)codes[i], scale16[i / 16], -min16[i / 16]), o + i);
+            }
+        }
+    });
+}
+
+// The int8 arithmetic, scalar: the reference of the vector kernel and its path without VNNI.
+template <int KT, typename T>
+void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+    const int64_t ns = K / kSuper, nb = K / kBlock;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        uint8_t codes[kSuper];
+        float scale16[16], min16[16];
+        for (int64_t n = n0; n < n1; ++n) {
+            std::vector<float> s(M, 0.f);
+            for (int64_t sb = 0; sb < ns; ++sb) {
+                kx16_row<KT>(w, ns, n, sb, codes, scale16, min16);
+                for (int64_t m = 0; m < M; ++m)
+                    for (int h = 0; h < 16; ++h) {   // 16 weights
+                        const int64_t r = m * nb + sb * 8 + h / 2;
+                        const int8_t* xq = X.q.data() + m * K + sb * kSuper + 16 * h;
+                        const int8_t* xq2 = X.q2.data() + m * K + sb * kSuper + 16 * h;
+                        int32_t dot = 0, dot2 = 0;
+                        for (int i = 0; i < 16; ++i) {
+                            dot += (int)codes[16 * h + i] * xq[i];
+                            dot2 += (int)codes[16 * h + i] * xq2[i];
+                        }
+                        if (KT == kQ6_K) {
+                            const bool lo = h % 2 == 0;
+                            dot -= 32 * (lo ? X.qsum_lo[r] : X.qsum[r] - X.qsum_lo[r]);
+                            dot2 -= 32 * (lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r]);
+                        }
+                        s[m] += ((float)dot * X.d[r] + (float)dot2 * X.d2[r]) * scale16[h];
+                        if (KT == kQ4_K && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
+                    }
+            }
+            for (int64_t m = 0; m < M; ++m) narrow(s[m] + (bias ? widen(bias[n]) : 0.f), y + m * N + n);
+        }
+    });
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Codes of one block of 32 (8 chunks) against a token's int8 block: chunks 0-3 (weights 0-15) and
+// 4-7 (16-31) as two chains.
+inline void dot_halves(const __m512i* codes, const int8_t* xb, __m512i& lo, __m512i& hi) {
+    const int32_t* xw = reinterpret_cast<const int32_t*>(xb);
+    const __m512i z = _mm512_setzero_si512();
+    lo = _mm512_dpbusd_epi32(z, codes[0], _mm512_set1_epi32(xw[0]));
+    hi = _mm512_dpbusd_epi32(z, codes[4], _mm512_set1_epi32(xw[4]));
+    for (int t = 1; t < 4; ++t) {
+        lo = _mm512_dpbusd_epi32(lo, codes[t], _mm512_set1_epi32(xw[t]));
+        hi = _mm512_dpbusd_epi32(hi, codes[t + 4], _mm512_set1_epi32(xw[t + 4]));
+    }
+}
+
+// One group of 16 output rows for M tokens.
+template <int KT, int M, typename T>
+inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
+                       int64_t n0) {
+    const int64_t K = ns * kSuper, nb = K / kBlock;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* o = wg + s * kx16_bytes(KT);
+        for (int64_t l = 0; l < kx16_bytes(KT); l += 64)   // the next super-block
+            _mm_prefetch(reinterpret_cast<const char*>(o) + kx16_bytes(KT) + l, _MM_HINT_T0);
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
+        __m512i codes[8];
+        if constexpr (KT == kQ4_K) {
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
+            for (int sub = 0; sub < 8; ++sub) {
+                const uint8_t* cp = o + 320 + 512 * (sub / 2);
+                for (int t = 0; t < 8; ++t) {
+                    const __m512i raw = _mm512_loadu_si512(cp + 64 * t);
+                    codes[t] = _mm512_and_si512(sub % 2 ? _mm512_srli_epi16(raw, 4) : raw, nib);
+                }
+                const __m512 sc = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64 + 16 * sub)))));
+                const __m512 mn = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 192 + 16 * sub)))));
+                const int64_t b = s * 8 + sub;
+                for (int m = 0; m < M; ++m) {
+                    const int64_t r = (m0 + m) * nb + b;
+                    __m512i lo, hi, lo2, hi2;
+                    dot_halves(codes, X.q.data() + (m0 + m) * K + b * kBlock, lo, hi);
+                    dot_halves(codes, X.q2.data() + (m0 + m) * K + b * kBlock, lo2, hi2);
+                    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo2, hi2)), _mm512_set1_ps(X.d2[r]),
+                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)),
+                                                                   _mm512_set1_ps(X.d[r])));
+                    acc[m] = _mm512_fmadd_ps(v, sc, acc[m]);
+                    acc[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(X.sum[r]), acc[m]);
+                }
+            }
+        } else {
+            for (int blk = 0; blk < 8; ++blk) {
+                const uint8_t* cp = o + 288 + 512 * blk;
+                for (int t = 0; t < 8; ++t) codes[t] = _mm512_loadu_si512(cp + 64 * t);
+                auto scale = [&](int i) {
+                    return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * i)))));
+                };
+                const __m512 sa = scale(2 * blk), sb = scale(2 * blk + 1);
+                const int64_t b = s * 8 + blk;
+                for (int m = 0; m < M; ++m) {
+                    const int64_t r = (m0 + m) * nb + b;
+                    __m512i lo, hi, lo2, hi2;
+                    dot_halves(codes, X.q.data() + (m0 + m) * K + b * kBlock, lo, hi);
+                    dot_halves(codes, X.q2.data() + (m0 + m) * K + b * kBlock, lo2, hi2);
+                    // The codes' zero (32) times each half's activation sum.
+                    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * X.qsum_lo[r]));
+                    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * (X.qsum[r] - X.qsum_lo[r])));
+                    lo2 = _mm512_sub_epi32(lo2, _mm512_set1_epi32(32 * X.qsum2_lo[r]));
+                    hi2 = _mm512_sub_epi32(hi2, _mm512_set1_epi32(32 * (X.qsum2[r] - X.qsum2_lo[r])));
+                    const __m512 d = _mm512_set1_ps(X.d[r]), d2 = _mm512_set1_ps(X.d2[r]);
+                    const __m512 va = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+                    const __m512 vb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+                    acc[m] = _mm512_fmadd_ps(va, sa, acc[m]);
+                    acc[m] = _mm512_fmadd_ps(vb, sb, acc[m]);
+                }
+            }
+        }
+    }
+    store_group<M>(acc, bias, y, ldy, m0, n0);
+}
+
+template <int KT, typename T>
+void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+    const int64_t ns = K / kSuper, gbytes = ns * kx16_bytes(KT);
+    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
+        kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, N, g * kRows);
+    });
+}
+#endif
+
+template <typename T>
+void dispatch_kgemv(int kt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+    const QuantX X = quantize_x(x, M, K);
+    with_ktype(kt, [&](auto k) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        kx16_impl<decltype(k)::value, T>(X, M, K, w, N, bias, y);
+#else
+        kx16_portable<decltype(k)::value, T>(X, M, K, w, N, bias, y);
+#endif
+    });
+}
+
+torch::Tensor kdequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids, int64_t rows, at::ScalarType dtype) {
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "a K-quant x16 weight");
+    TORCH_CHECK(K == w.size(1) * kSuper, "K ", K, " does not match ", w.size(1), " super-blocks");
+    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 output only");
+    const int kt = ktype_of_x16(w.size(2));
+    auto out = torch::empty({rows, K}, torch::TensorOptions().dtype(dtype));
+    auto run = [&](auto* o) {
+        using T = std::remove_pointer_t<decltype(o)>;
+        with_ktype(kt, [&](auto k) { kdequant_impl<decltype(k)::value, T>(w.data_ptr<uint8_t>(), K, ids, rows, o); });
+    };
+    if (dtype == torch::kBFloat16) run(out.data_ptr<at::BFloat16>());
+    else run(out.data_ptr<float>());
+    return out;
+}
+
+torch::Tensor kgemv(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(),
+                "x [M, K], a K-quant x16 weight");
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kRows;
+    TORCH_CHECK(K == w.size(1) * kSuper, "K ", K, " does not match ", w.size(1), " super-blocks");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "fp32 or bf16 x only");
+    if (bias) TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == x.scalar_type() && bias->numel() == N,
+                          "bias [N], x's dtype");
+    const int kt = ktype_of_x16(w.size(2));
+    auto y = torch::empty({M, N}, x.options());
+    const auto xf = x.to(torch::kFloat32).contiguous();
+    if (x.scalar_type() == torch::kBFloat16)
+        dispatch_kgemv<at::BFloat16>(kt, xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N,
+                                     bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
+    else
+        dispatch_kgemv<float>(kt, xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N,
+                              bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+    return y;
 }
 
 }  // namespace
@@ -583,6 +964,7 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 // copy, the GEMV and this kernel then differ only in summation order); the x16 layout always
 // keeps them exact and rounds the activations (two int8 terms).
 torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+    if (w.dim() == 3) return kgemv(x, w, bias);   // K-quants (x16 layout)
     TORCH_CHECK(x.dim() == 2, "x [M, K]");
     const int64_t M = x.size(0), K = x.size(1);
     const QInfo info = qinfo(w, K);
@@ -598,11 +980,7 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tenso
         const auto* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
         auto* yp = y.data_ptr<at::BFloat16>();
         const int64_t rb = (K / kBlock) * info.qt;
-        switch (info.qt) {
-            case kQ4_0: qgemv_bf16_impl<kQ4_0>(xp, M, K, wp, info.N, rb, bp, yp); break;
-            case kQ4_1: qgemv_bf16_impl<kQ4_1>(xp, M, K, wp, info.N, rb, bp, yp); break;
-            default: qgemv_bf16_impl<kQ8_0>(xp, M, K, wp, info.N, rb, bp, yp); break;
-        }
+        with_qtype(info.qt, [&](auto qt) { qgemv_bf16_impl<decltype(qt)::value>(xp, M, K, wp, info.N, rb, bp, yp); });
         return y;
     }
 #endif
@@ -618,16 +996,18 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tenso
 
 // A quantized weight (either layout) -> [N, K] in `dtype` (fp32 or bf16).
 torch::Tensor qdequant(torch::Tensor w, int64_t K, at::ScalarType dtype) {
+    if (w.dim() == 3) return kdequant_rows(w, K, nullptr, w.size(0) * kRows, dtype);
     return dequant_rows(w, K, nullptr, qinfo(w, K).N, dtype);
 }
 
 // Rows `ids` (int64, any shape) of a quantized table -> [ids.numel(), K]: an embedding lookup.
 torch::Tensor qembedding(torch::Tensor w, torch::Tensor ids, int64_t K, at::ScalarType dtype) {
-    const QInfo info = qinfo(w, K);
+    const int64_t N = w.dim() == 3 ? w.size(0) * kRows : qinfo(w, K).N;
     const auto flat = ids.to(torch::kInt64).contiguous().view(-1);
     const int64_t* p = flat.data_ptr<int64_t>();
     for (int64_t i = 0; i < flat.numel(); ++i)
-        TORCH_CHECK(p[i] >= 0 && p[i] < info.N, "token id ", p[i], " out of range [0, ", info.N, ")");
+        TORCH_CHECK(p[i] >= 0 && p[i] < N, "token id ", p[i], " out of range [0, ", N, ")");
+    if (w.dim() == 3) return kdequant_rows(w, K, p, flat.numel(), dtype);
     return dequant_rows(w, K, p, flat.numel(), dtype);
 }
 
@@ -639,11 +1019,24 @@ torch::Tensor qrepack(torch::Tensor w, int64_t K) {
     TORCH_CHECK(info.N % kRows == 0, "x16 needs a multiple of 16 rows, got ", info.N);
     auto out = torch::empty({info.N / kRows, kRows * w.size(1)}, w.options());
     const int64_t nb = K / kBlock;
-    switch (info.qt) {
-        case kQ4_0: repack_impl<kQ4_0>(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), info.N, nb); break;
-        case kQ4_1: repack_impl<kQ4_1>(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), info.N, nb); break;
-        default: repack_impl<kQ8_0>(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), info.N, nb); break;
-    }
+    with_qtype(info.qt, [&](auto qt) {
+        repack_impl<decltype(qt)::value>(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), info.N, nb);
+    });
+    return out;
+}
+
+// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 144 Q4_K, 210 Q6_K; N a multiple of
+// 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
+torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
+    TORCH_CHECK(bytes == kQ4_K || bytes == kQ6_K, "K-quant super-block bytes: 144 (Q4_K) or 210 (Q6_K), got ", bytes);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "a plain [N, row bytes] weight");
+    TORCH_CHECK(K > 0 && K % kSuper == 0 && w.size(1) == K / kSuper * bytes, "row bytes do not match K ", K);
+    TORCH_CHECK(w.size(0) % kRows == 0, "x16 needs a multiple of 16 rows, got ", w.size(0));
+    const int64_t ns = K / kSuper;
+    auto out = torch::empty({w.size(0) / kRows, ns, kx16_bytes((int)bytes)}, w.options());
+    with_ktype((int)bytes, [&](auto k) {
+        krepack_impl<decltype(k)::value>(w.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), w.size(0), ns);
+    });
     return out;
 }
 
