@@ -1,13 +1,15 @@
 """Synthetic Llama GGUF files at real model sizes (random weights), to measure memory, load time
 and decode speed where the demo model is too small to tell.
 
-    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0 [--out DIR] [--measure]
+    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0|Q4_K_M [--out DIR] [--measure]
 
 Shapes are Llama-3.2-1B's and Llama-3.1-8B's (hidden 2048 / 4096, 16 / 32 layers, MLP 8192 /
 14336, 32 heads, 8 KV heads), with the demo model's tokenizer (and so its 49152-token vocabulary)
 copied in so that the file loads like any other. Codes are uniform random bytes and scales small
 fp16 values: the bytes the kernels stream are those of a real file of that type (the outputs are
-noise). Written block by block with the `gguf` package, no fp32 tensor in memory. With
+noise). Q4_K_M follows llama.cpp's recipe for that file type: Q4_K everywhere except the LM head,
+and attn_v / ffn_down of the first and last eighth of the layers and every third in between, in
+Q6_K. Written block by block with the `gguf` package, no fp32 tensor in memory. With
 `--measure`: resident memory after load, load time and batch-1 decode steps against the bytes
 read per token over the memory bandwidth measured in the same run; a JSON and a line in
 docs/benchmarks.md.
@@ -25,20 +27,40 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {  # hidden, layers, intermediate, heads, kv heads
-    "tiny": (128, 2, 256, 4, 2),   # for the test that the files load (tests/model/test_quant.py)
+    "tiny": (256, 2, 512, 4, 2),   # for the test that the files load (tests/model/test_quant.py)
     "1b": (2048, 16, 8192, 32, 8),
     "8b": (4096, 32, 14336, 32, 8),
 }
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+# Bytes per block of weights: (weights per block, bytes).
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+QTYPES = ("Q4_0", "Q8_0", "Q4_K_M")
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
-    """[rows, cols / 32 * block bytes] uint8: random codes, fp16 scales ~ N(0, 1/sqrt(cols))."""
-    nb, bs = cols // 32, BLOCK_BYTES[qtype]
+    """[rows, cols / block * block bytes] uint8: random codes and sub-block scales, small fp16
+    (super-)block scales, so that weights are ~ 1/sqrt(cols)."""
+    per, bs = BLOCK_BYTES[qtype]
+    nb = cols // per
     data = rng.integers(0, 256, size=(rows, nb, bs), dtype=np.uint8)
-    scale = (rng.random((rows, nb, 1), dtype=np.float32) * 2 / (8 * np.sqrt(cols))).astype(np.float16)
-    data[:, :, :2] = scale.view(np.uint8)
+    where = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}.get(qtype, slice(0, 2))   # d (Q4_K: and dmin)
+    span = {"Q4_K": 2 / (8 * 40 * np.sqrt(cols)), "Q6_K": 2 / (32 * 80 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
+    count = (where.stop - where.start) // 2
+    scale = (rng.random((rows, nb, count), dtype=np.float32) * span).astype(np.float16)
+    data[:, :, where] = scale.view(np.uint8).reshape(rows, nb, 2 * count)
     return data.reshape(rows, nb * bs)
+
+
+def tensor_type(name: str, qtype: str, layers: int) -> str:
+    """The type of tensor `name` in a file of `qtype` (Q4_K_M: llama.cpp's choice per tensor)."""
+    if qtype != "Q4_K_M":
+        return qtype
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
 
 
 def write(size: str, qtype: str, out: Path) -> Path:
@@ -69,7 +91,6 @@ def write(size: str, qtype: str, out: Path) -> Path:
                 w.add_key_value(name, value, vtype, sub_type=field.types[-1])
             else:
                 w.add_key_value(name, value, vtype)
-    kind = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)
     head_dim = hidden // heads
     shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
@@ -80,15 +101,17 @@ def write(size: str, qtype: str, out: Path) -> Path:
                        f"blk.{i}.ffn_up.weight": (inter, hidden), f"blk.{i}.ffn_down.weight": (hidden, inter)})
     norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
     for name, (rows, cols) in shapes.items():
-        w.add_tensor_info(name, (rows, cols * BLOCK_BYTES[qtype] // 32), np.dtype(np.uint8),
-                          rows * cols * BLOCK_BYTES[qtype] // 32, raw_dtype=kind)
+        kind = tensor_type(name, qtype, layers)
+        per, bs = BLOCK_BYTES[kind]
+        w.add_tensor_info(name, (rows, cols * bs // per), np.dtype(np.uint8), rows * cols * bs // per,
+                          raw_dtype=gguf.GGMLQuantizationType[kind])
     for name in norms:
         w.add_tensor_info(name, (hidden,), np.dtype(np.float32), hidden * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, (rows, cols) in shapes.items():
-        w.write_tensor_data(_blocks(rng, rows, cols, qtype))
+        w.write_tensor_data(_blocks(rng, rows, cols, tensor_type(name, qtype, layers)))
     for _ in norms:
         w.write_tensor_data(np.ones(hidden, dtype=np.float32))
     w.close()
@@ -137,7 +160,7 @@ def measure(path: Path, dtype: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
-    ap.add_argument("--qtype", choices=sorted(BLOCK_BYTES), default="Q4_0")
+    ap.add_argument("--qtype", choices=QTYPES, default="Q4_0")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "synthetic")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--measure", action="store_true")

@@ -656,14 +656,16 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //   Q4_K (2368 = 16 x 148): 16 d, 16 dmin (fp16); 8 x 16 scale bytes (sub-block-major); 8 x 16 min
 //     bytes; then per pair p of sub-blocks 8 chunks of 64 bytes, chunk t holding in lane j row j's
 //     code bytes 32p + 4t .. 32p + 4t + 3 (low nibbles: sub-block 2p's weights 4t..4t+3; high: 2p+1's);
-//   Q6_K (4384 = 16 x 274): 16 d (fp16); 16 x 16 scale bytes (int8, per 16 weights); then per block b
-//     of 32 weights 8 chunks of 64 bytes, chunk t holding in lane j row j's codes of weights
-//     32b + 4t .. 32b + 4t + 3, a byte each (widened at repack: 1.3x the file's bytes for these;
-//     Q4_K's layout is 1.03x).
+//   Q6_K (3360 = 16 x 210, the file's bytes): 16 d (fp16); 16 x 16 scale bytes (int8, per 16
+//     weights); then per block b of 32 weights 4 chunks of 64 bytes of low 4 bits, chunk c holding
+//     in lane j row j's weights 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles), and 2
+//     chunks of high 2 bits, chunk h holding in lane j byte k bits 2q..2q+1 of weight 4(4h+q)+k
+//     (so code vector t = 4h+q takes them with one shift and one mask).
+// Q4_K's layout is 1.03x the file's bytes.
 // Only the int8 (two-term activation) arithmetic of the 32-blocks' x16 kernel runs them.
 enum KType { kQ4_K = 144, kQ6_K = 210 };   // bytes per plain super-block of 256
 constexpr int kSuper = 256;
-constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : 4384; }
+constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : 3360; }
 
 template <typename F>
 inline void with_ktype(int kt, F&& f) {
@@ -723,9 +725,19 @@ void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
                         std::memcpy(o + 2 * j, b + 208, 2);
                         for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = b[192 + i];
                         q6k_codes(b, codes);
-                        for (int blk = 0; blk < 8; ++blk)
-                            for (int t = 0; t < 8; ++t)
-                                for (int i = 0; i < 4; ++i) o[288 + 512 * blk + 64 * t + 4 * j + i] = codes[32 * blk + 4 * t + i];
+                        for (int blk = 0; blk < 8; ++blk) {
+                            uint8_t* ob = o + 288 + 384 * blk;
+                            const uint8_t* cb = codes + 32 * blk;
+                            for (int c = 0; c < 4; ++c)
+                                for (int k = 0; k < 4; ++k)
+                                    ob[64 * c + 4 * j + k] = (cb[4 * c + k] & 0xF) | ((cb[16 + 4 * c + k] & 0xF) << 4);
+                            for (int h = 0; h < 2; ++h)
+                                for (int k = 0; k < 4; ++k) {
+                                    uint8_t v = 0;
+                                    for (int q = 0; q < 4; ++q) v |= (cb[4 * (4 * h + q) + k] >> 4) << (2 * q);
+                                    ob[256 + 64 * h + 4 * j + k] = v;
+                                }
+                        }
                     }
                 }
             }
@@ -757,9 +769,19 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
             scale16[i] = d * (float)(int8_t)o[32 + 16 * i + j];
             min16[i] = 32.f * scale16[i];
         }
-        for (int blk = 0; blk < 8; ++blk)
-            for (int t = 0; t < 8; ++t)
-                for (int i = 0; i < 4; ++i) codes[32 * blk + 4 * t + i] = o[288 + 512 * blk + 64 * t + 4 * j + i];
+        for (int blk = 0; blk < 8; ++blk) {
+            const uint8_t* ob = o + 288 + 384 * blk;
+            uint8_t* cb = codes + 32 * blk;
+            for (int c = 0; c < 4; ++c)
+                for (int k = 0; k < 4; ++k) {
+                    cb[4 * c + k] = ob[64 * c + 4 * j + k] & 0xF;
+                    cb[16 + 4 * c + k] = ob[64 * c + 4 * j + k] >> 4;
+                }
+            for (int h = 0; h < 2; ++h)
+                for (int k = 0; k < 4; ++k)
+                    for (int q = 0; q < 4; ++q)
+                        cb[4 * (4 * h + q) + k] |= ((ob[256 + 64 * h + 4 * j + k] >> (2 * q)) & 3) << 4;
+        }
     }
 }
 
@@ -869,9 +891,21 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                 }
             }
         } else {
+            const __m512i hmask = _mm512_set1_epi8(0x30);
             for (int blk = 0; blk < 8; ++blk) {
-                const uint8_t* cp = o + 288 + 512 * blk;
-                for (int t = 0; t < 8; ++t) codes[t] = _mm512_loadu_si512(cp + 64 * t);
+                const uint8_t* cp = o + 288 + 384 * blk;
+                for (int c = 0; c < 4; ++c) {
+                    const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
+                    codes[c] = _mm512_and_si512(raw, nib);
+                    codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                }
+                for (int h = 0; h < 2; ++h) {   // the high 2 bits to bits 4-5 of each byte
+                    const __m512i hb = _mm512_loadu_si512(cp + 256 + 64 * h);
+                    codes[4 * h] = _mm512_or_si512(codes[4 * h], _mm512_and_si512(_mm512_slli_epi32(hb, 4), hmask));
+                    codes[4 * h + 1] = _mm512_or_si512(codes[4 * h + 1], _mm512_and_si512(_mm512_slli_epi32(hb, 2), hmask));
+                    codes[4 * h + 2] = _mm512_or_si512(codes[4 * h + 2], _mm512_and_si512(hb, hmask));
+                    codes[4 * h + 3] = _mm512_or_si512(codes[4 * h + 3], _mm512_and_si512(_mm512_srli_epi32(hb, 2), hmask));
+                }
                 auto scale = [&](int i) {
                     return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * i)))));
