@@ -140,7 +140,8 @@ def main() -> None:
         print(run, {k: round(v, 3) for k, v in summary[run].items()})
     cpu, flags = cpu_info()
     c, r = summary["concurrent"], summary["rate"]
-    save("llamacpp_serve", {"model": model, "cpu": cpu, "cpu_flags": sorted(f for f in flags if "avx" in f or "amx" in f),
+    name = "llamacpp_serve" if args.model is None else f"llamacpp_serve_{Path(model).stem}"
+    save(name, {"model": model, "cpu": cpu, "cpu_flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                             "conveyor_args": args.conveyor_args, "rounds": args.rounds, "summary": summary,
                             "runs": results},
          f"Conveyor vs llama-server, {Path(model).name}, {cpu}: {args.concurrency} concurrent streams "

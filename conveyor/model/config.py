@@ -92,6 +92,7 @@ class ModelConfig:
             scaling = None if kind == "default" else dict(scaling, rope_type=kind)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window, types = cls._sliding_layers(cfg, model_type)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -111,7 +112,27 @@ class ModelConfig:
             mlp_bias=cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=window, layer_types=types,
         )
+
+    @staticmethod
+    def _sliding_layers(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
+        """Sliding-window attention of a Llama-family config: transformers' `layer_types` where given;
+        Mistral's `sliding_window` on every layer; Qwen2's `use_sliding_window` from layer
+        `max_window_layers` on. None where no window is shorter than the context."""
+        window, layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+        if not window or window >= cfg.get("max_position_embeddings", 2048):
+            return None, None
+        if cfg.get("layer_types"):
+            types = tuple(cfg["layer_types"])
+        elif model_type == "mistral":
+            types = (SLIDING,) * layers
+        elif model_type == "qwen2" and cfg.get("use_sliding_window"):
+            start = cfg.get("max_window_layers", layers)
+            types = tuple(SLIDING if i >= start else FULL for i in range(layers))
+        else:
+            return None, None
+        return (window, types) if SLIDING in types else (None, None)
 
     @classmethod
     def _from_gemma3(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -175,6 +196,8 @@ class ModelConfig:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
+        if self.sliding_window:
+            cfg.update(sliding_window=self.sliding_window, layer_types=list(self.layer_types or ()))
         if self.eos_token_ids:
             cfg["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         if self.bos_token_id is not None:

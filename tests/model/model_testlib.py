@@ -50,6 +50,9 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24)),
     # sliding_window (4096 by default) exceeds every context used here, so it has no effect.
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1)),
+    # Mistral v0.1's sliding window on every layer (8 tokens, far below the prompts).
+    "mistral_swa": (MistralConfig, MistralForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                            sliding_window=8)),
     "llama_tied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4,
                                                        tie_word_embeddings=True)),
     # Gemma 3: sliding-window layers (window 8, far below the prompts) around a global one, each
