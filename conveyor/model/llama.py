@@ -205,11 +205,12 @@ class LlamaForCausalLM(nn.Module):
         """Compute the matmuls whose weights are given (HF names, GGUF blocks) from them as stored:
         QuantLinear / QuantEmbedding in place of the dense modules, before the dense weights load.
         Fused matmuls (q/k/v, gate/up) take their pieces' rows in order. With `int8`, in the
-        int8-activation kernel's layout (rows in 16s); with `dense_copy`, each also holds a dense
+        int8-activation kernel's layout (rows in 16s; K-quants always); with `dense_copy`, each also holds a dense
         copy for the large steps where that is measured faster (quant.dense_tokens)."""
         given, weights = weights, {k.removeprefix("model."): v for k, v in weights.items()}
         given.clear()   # each block tensor is dropped below once it is concatenated or reordered
-        layout = (lambda w: w.for_int8()) if int8 else (lambda w: w)  # noqa: E731
+        # K-quants have only the int8 kernel: in its layout whatever the other types use.
+        layout = (lambda w: w.for_int8() if int8 or w.is_k else w)  # noqa: E731
         dtype = self.dtype
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."

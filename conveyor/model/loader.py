@@ -122,7 +122,8 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     # Int8 activations for fp32 models: a bf16 model multiplies bf16-rounded weights on every
     # path (quantized kernel, dense copy), so that its numbers do not depend on the step's size.
     int8 = int8_activations_native() and dtype == torch.float32 if int8_activations is None else int8_activations
-    for k in [k for k, w in quant.items() if w.is_k and not (int8 and w.out_features % 16 == 0)]:
+    k_quants = int8_activations is not False and int8_activations_native()
+    for k in [k for k, w in quant.items() if w.is_k and not (k_quants and w.out_features % 16 == 0)]:
         weights[k] = quant.pop(k).dequantize()   # K-quants run on the int8 kernel only
     mixed = {fused_group_key(k) for k in weights} - {None}   # ... and a fused matmul is dense if one piece is
     for k in [k for k in quant if fused_group_key(k) in mixed]:
@@ -227,7 +228,8 @@ def _return_freed_memory() -> None:
 def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tuple[str, ...]:
     """The GGUF types of this file computed as stored here (empty: dequantize everything). `auto`
     only where the kernels have their vector paths (AVX-512); asked for, anywhere they build. K-quants
-    only with int8 activations (`auto`, fp32, AVX512-VNNI): they have no other kernel."""
+    only under `auto` on AVX512-VNNI: they have only the int8 kernel (a bf16 model's activations
+    are rounded to int8 there too)."""
     from conveyor.model.gguf_loader import gguf_tensor_types
     from conveyor.model.probe_cache import cpu_info
     from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
@@ -235,8 +237,8 @@ def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tup
     if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
         return ()
     kernels = set(NATIVE_BLOCK_BYTES)
-    if auto and dtype == torch.float32 and native_available(device, dtype) and int8_activations_native():
-        kernels |= set(K_SUPER_BYTES)
+    if auto and native_available(device, dtype) and int8_activations_native():
+        kernels |= set(K_SUPER_BYTES)   # fp32 or bf16 activations, rounded to int8 in the kernel
     try:
         types = tuple(sorted(gguf_tensor_types(path) & kernels))
     except Exception:   # noqa: BLE001 - a damaged file: the conversion reports it, clearly
