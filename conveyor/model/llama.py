@@ -325,10 +325,9 @@ class LlamaForCausalLM(nn.Module):
         widths = [m.fused_width() if isinstance(m, QuantLinear) else gemv_max for layer in self.layers
                   for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
         width = min(widths, default=0)
-        # The fused loop is the Llama layer (one norm per sublayer, SiLU, global attention).
-        llama_layers = self.cfg.hidden_act == "silu" and not self.cfg.sandwich_norms and not self.cfg.sliding_window \
-            and not any(isinstance(m, QuantConcat) for m in self.layers.modules())
-        if width and llama_layers and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
+        # The fused loop takes q/k/v in up to three pieces (QuantConcat), gate/up in one.
+        fusable = not any(isinstance(layer.mlp.gate_up_proj, QuantConcat) for layer in self.layers)
+        if width and fusable and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
                 and isinstance(self.ops, CpuFusedOps):
             self.fused_decode_tokens = width
             self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
@@ -351,18 +350,27 @@ class LlamaForCausalLM(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.cfg.qk_norm else (none, none)
         w = lambda m: m.qweight if isinstance(m, QuantLinear) else m.weight  # noqa: E731
+        pieces = [w(p) for p in attn.qkv_proj.parts] if isinstance(attn.qkv_proj, QuantConcat) else [w(attn.qkv_proj)]
+        pieces += [none] * (3 - len(pieces))
+        if layer.sandwich:   # Gemma: the norm before the MLP, and those of the attention's and MLP's outputs
+            pre_mlp, outs = layer.pre_feedforward_layernorm, (layer.post_attention_layernorm.weight,
+                                                              layer.post_feedforward_layernorm.weight)
+        else:
+            pre_mlp, outs = layer.post_attention_layernorm, (none, none)
         return [t if t is not None else none for t in (
-            layer.input_layernorm.weight, w(attn.qkv_proj), attn.qkv_proj.bias, w(attn.o_proj),
-            layer.post_attention_layernorm.weight, w(mlp.gate_up_proj), mlp.gate_up_proj.bias,
-            w(mlp.down_proj), mlp.down_proj.bias, *qk)]
+            layer.input_layernorm.weight, pieces[0], attn.qkv_proj.bias, w(attn.o_proj),
+            pre_mlp.weight, w(mlp.gate_up_proj), mlp.gate_up_proj.bias,
+            w(mlp.down_proj), mlp.down_proj.bias, *qk, pieces[1], pieces[2], *outs)]
 
     def _fused_decode(self, x, positions, kv_caches, meta: AttentionMetadata):
         """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""
         cfg, group = self.cfg, meta.decodes[0]
         return self.attn_backend.kernels.decode_layers(
             x, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
-            self.rope.cos, self.rope.sin, meta.slot_mapping, group.block_tables, group.context_lens,
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.attn_backend.scale)
+            [r.cos for r in self._ropes], [r.sin for r in self._ropes],
+            [layer.self_attn.window for layer in self.layers], meta.slot_mapping, group.block_tables,
+            group.context_lens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+            self.attn_backend.scale, cfg.hidden_act != "silu")
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF checkpoints, fusing q/k/v and gate/up on the way."""

@@ -90,7 +90,7 @@ def _forced_model(fam, dtype, monkeypatch):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3", "llama_tied"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3", "llama_tied", "gemma3", "mistral_swa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_equals_python_layer_loop(tiny_models, name, dtype, monkeypatch):
     fam = tiny_models(name)

@@ -29,5 +29,6 @@ bool gemv_prefetch_single();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor block_tables,
-    torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+    std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<int64_t> windows,
+    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gelu);
