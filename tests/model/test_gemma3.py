@@ -43,8 +43,9 @@ def gemma():
     from conveyor.tokenizer import Tokenizer
 
     path = gemma3_path()
-    cfg = gguf_config(GGUFReader(path))
-    tok = Tokenizer.from_gguf(path)
+    reader = GGUFReader(path)   # parsing the 262k-token vocabulary takes seconds: once
+    cfg, tok = gguf_config(reader), Tokenizer.from_gguf(reader)
+    del reader
     # > 512 tokens: past the sliding window of the local layers.
     prompt = tok.encode(TEXT * 16)
     assert len(prompt) > cfg.sliding_window + 32
@@ -96,10 +97,11 @@ def test_gemma3_quantized_as_stored_agrees(gemma):
     assert held["Q8_0"] > 100 * 2**20 and held["Q5_0"] > 30 * 2**20
     if int8_activations_native():   # every matmul as stored: the weights held are the file's size
         assert sum(held.values()) <= 1.05 * path.stat().st_size
-    want = conveyor_prompt_logits(dense, [prompt], chunk=256)[0]
-    got = conveyor_prompt_logits(quant, [prompt], chunk=256)[0]
+    text = prompt[:320]   # logits at every position over the 262k vocabulary: kept short
+    want = conveyor_prompt_logits(dense, [text], chunk=160)[0]
+    got = conveyor_prompt_logits(quant, [text], chunk=160)[0]
     agree = int((got.argmax(-1) == want.argmax(-1)).sum())
     p, q = torch.log_softmax(want, -1), torch.log_softmax(got, -1)
     kl = (p.exp() * (p - q)).sum(-1)
-    print(f"gemma3 Q8_0 as stored: {agree}/{len(prompt)} agree; KL mean {kl.mean():.2e}, max {kl.max():.2e}")
-    assert agree >= 0.99 * len(prompt) and kl.mean() < 1e-3
+    print(f"gemma3 as stored ({native}): {agree}/{len(text)} agree; KL mean {kl.mean():.2e}, max {kl.max():.2e}")
+    assert agree >= 0.99 * len(text) and kl.mean() < 1e-3
