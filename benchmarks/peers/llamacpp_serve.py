@@ -21,15 +21,9 @@ import argparse
 import asyncio
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -39,44 +33,13 @@ from common import save  # noqa: E402
 SERVER = HERE / ".llamacpp" / "bin" / "llama-server"
 
 
-class LlamaServer:
-    """llama-server on a free loopback port (stopped with SIGTERM)."""
+def llama_server(model: str, slots: int, threads: int):
+    """llama-server on a free loopback port (conveyor.bench.serve.ServerProcess: health wait, SIGTERM)."""
+    from conveyor.bench.serve import ServerProcess
 
-    def __init__(self, model: str, slots: int, threads: int, startup_timeout: float = 300.0):
-        from conveyor.bench.serve import free_port
-
-        self.port = free_port()
-        fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-        self._log = os.fdopen(fd, "wb")
-        cmd = [str(SERVER), "-m", model, "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
-               "-c", str(slots * 520), "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"llama-server not healthy after {startup_timeout:.0f} s: see {self.log_path}")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    return ServerProcess([], command=lambda port: [
+        str(SERVER), "-m", model, "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+        "-c", str(slots * 520), "--host", "127.0.0.1", "--port", str(port)])
 
 
 def run_workloads(url: str, args, salt: int) -> dict:
@@ -117,7 +80,7 @@ def main() -> None:
         for engine in order:
             print(f"round {rnd + 1}: {engine}", flush=True)
             if engine == "llama-server":
-                server = LlamaServer(model, args.concurrency, args.threads)
+                server = llama_server(model, args.concurrency, args.threads)
             else:
                 server = ServerProcess([model, *shlex.split(args.conveyor_args)])
             try:

@@ -438,17 +438,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m conveyor serve ARGS` on a free loopback port; `stop()` sends SIGTERM."""
+    """`python -m conveyor serve ARGS` on a free loopback port; `stop()` sends SIGTERM. `command`
+    (port -> argv) starts another OpenAI-compatible server instead (a peer, e.g. llama-server)."""
 
-    def __init__(self, server_args: list[str], startup_timeout: float = 300.0, log_path: str | None = None):
+    def __init__(self, server_args: list[str], startup_timeout: float = 300.0, log_path: str | None = None,
+                 command=None):
         self.port = free_port()
         if log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix="conveyor-serve-", suffix=".log")
             self._log = os.fdopen(fd, "wb")
         else:
             self.log_path, self._log = log_path, open(log_path, "wb")
-        cmd = [sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *server_args]
+        cmd = command(self.port) if command is not None else [
+            sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(self.port), *server_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
             self._wait_healthy(startup_timeout)

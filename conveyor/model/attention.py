@@ -129,13 +129,10 @@ class TorchPagedAttention:
         mask = seq.mask
         if window and seq.num_cached + seq.query_len > window:   # some query sees fewer than all keys
             mask = window_mask(mask, seq.query_len, seq.num_cached, window, q.device)
-            if seq.mask is None:   # no cache: this chunk's own keys
-                kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
-                return o[0].transpose(0, 1).reshape(q.shape[0], -1)
-        if mask is None:
+        if seq.mask is None:   # no cache: this chunk's own keys, causal (and windowed: `mask`)
             kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=True)
         else:
             total = seq.num_cached + seq.query_len
             bt = seq.block_table.unsqueeze(0)

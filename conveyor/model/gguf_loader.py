@@ -68,9 +68,7 @@ def gguf_config(reader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    if arch == "gemma3":
-        return _gemma3_config(reader, a, names, vocab, eos)
-    return ModelConfig(
+    cfg = ModelConfig(
         model_type=_GGUF_ARCHS[arch], vocab_size=vocab, hidden_size=hidden,
         intermediate_size=a("feed_forward_length"), num_hidden_layers=a("block_count"),
         num_attention_heads=heads, num_key_value_heads=a("attention.head_count_kv", heads),
@@ -83,32 +81,28 @@ def gguf_config(reader) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
     )
+    return _gemma3_config(cfg, a) if arch == "gemma3" else cfg
 
 
-def _gemma3_config(reader, a, names: set[str], vocab: int, eos) -> ModelConfig:
+def _gemma3_config(cfg: ModelConfig, a) -> ModelConfig:
     """Gemma 3 as llama.cpp runs it: the sliding-window pattern (every 6th layer global) and the
     local RoPE base (10000) are not in the file; the 27B scales queries by hidden/heads, the others by
-    head_dim."""
+    head_dim; a linear RoPE scaling applies to the global layers."""
+    from dataclasses import replace
+
     from conveyor.model.config import FULL, SLIDING
 
-    heads, hidden, layers = a("attention.head_count"), a("embedding_length"), a("block_count")
-    head_dim = a("attention.key_length", hidden // heads)
     scaling = None
     if a("rope.scaling.type") == "linear" and a("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
-    return ModelConfig(
-        model_type="gemma3_text", vocab_size=vocab, hidden_size=hidden, intermediate_size=a("feed_forward_length"),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=a("attention.head_count_kv", heads),
-        head_dim=head_dim, rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(a("rope.freq_base", 1e6)), rope_scaling=scaling,
-        max_position_embeddings=a("context_length", 32768), tie_word_embeddings="output.weight" not in names,
-        qk_norm=True, eos_token_ids=() if eos is None else (int(eos),),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"), hidden_act="gelu_pytorch_tanh",
-        norm_unit_offset=True, sandwich_norms=True, embedding_multiplier=hidden ** 0.5,
-        query_pre_attn_scalar=hidden / heads if layers == 62 else head_dim,
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    return replace(
+        cfg, rope_theta=float(a("rope.freq_base", 1e6)), max_position_embeddings=a("context_length", 32768),
+        qk_norm=True, rope_scaling=scaling, hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
+        embedding_multiplier=hidden ** 0.5,
+        query_pre_attn_scalar=hidden / cfg.num_attention_heads if layers == 62 else cfg.head_dim,
         sliding_window=a("attention.sliding_window"),
-        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)), rope_local_theta=10000.0,
-    )
+        layer_types=tuple(SLIDING if (i + 1) % 6 else FULL for i in range(layers)), rope_local_theta=10000.0)
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -140,15 +134,14 @@ def fused_group_key(hf_name: str) -> str | None:
 
 def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
     """HF-named tensors: fp32 numpy arrays, and, for 2-D weights stored in a type of `native`,
-    ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). Pieces of one
-    fused matmul (q/k/v, gate/up) stay quantized only if all of them are (in one type or several:
-    ``quant.QuantConcat``)."""
+    ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). A fused matmul
+    (q/k/v, gate/up) with a dense piece is made dense whole by ``loader.build_model``."""
     from gguf.quants import dequantize
 
     from conveyor.model.quant import QuantTensor
 
     permute = cfg.model_type in _PERMUTED_ARCHS
-    out, kinds = {}, {}
+    out = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in SUPPORTED_QUANTS:
@@ -163,11 +156,6 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
         elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_key_value_heads)
         out[name] = QuantTensor(torch.from_numpy(np.ascontiguousarray(w)), kind, int(t.shape[0])) if keep else w
-        kinds.setdefault(fused_group_key(name), set()).add(kind if keep else None)
-    for name, w in out.items():   # a fused matmul with dense and quantized pieces: all of them dense
-        group = fused_group_key(name)
-        if isinstance(w, QuantTensor) and group is not None and None in kinds[group]:
-            out[name] = w.dequantize().numpy()
     return out
 
 
