@@ -41,6 +41,10 @@ class EngineConfig:
     max_model_len: int | None = option(None, "cap on prompt + output tokens (default: the model's context, "
                                              "bounded by the KV cache)")
     enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    hybrid_kv_cache: bool = option(
+        True, "models with sliding-window layers (Gemma 3, Mistral v0.1): layer groups with their own block "
+              "tables, local groups giving back blocks that left their window (off: one table for all layers, "
+              "every block kept for the whole sequence)")
     seed: int = option(0, "engine seed for requests that give none")
     torch_threads: int | None = option(None, "CPU threads for torch (default: all cores; 1 can be faster when "
                                              "other work shares them)")

@@ -25,6 +25,7 @@ from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, Process
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.trace import StepTracer
+from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.dtype import resolve_dtype
 from conveyor.model.loader import LoadedModel, load_model
@@ -66,17 +67,20 @@ class EngineBackend:
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
-        num_blocks, num_host = kv_cache_blocks(config, self.model_config, dtype)
+        # Layer groups with their own block tables when some layers attend to a window only.
+        self.kv_layout = layout = KVLayout.from_config(self.model_config, config.hybrid_kv_cache)
+        num_blocks, num_host = kv_cache_blocks(config, self.model_config, dtype, layout)
         # What /metrics reports as resident (rank 0's share under tensor parallelism for weights).
         self.weight_bytes = sum(self.loaded.model.weight_bytes().values())
         self.kv_cache_bytes = num_blocks * KVCacheTensors.bytes_per_block(self.model_config, config.block_size,
-                                                                          dtype.itemsize)
+                                                                          dtype.itemsize, layout)
+        kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching, layout)
         # A sequence can never outgrow the whole cache: cap its length there so that a lone
         # request always fits (else it would preempt itself forever).
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings,
-                                 num_blocks * config.block_size)
-        kv = KVCacheManager(num_blocks, config.block_size, num_host, config.enable_prefix_caching)
-        runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype)
+                                 kv.max_tokens)
+        runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype,
+                             layout=layout)
         if tp is not None:
             runner = self._tensor_parallel_executor(runner, tp)
         self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
@@ -102,7 +106,7 @@ class EngineBackend:
         world = config.tensor_parallel_size
         # A GGUF is converted here, once, before the ranks load it.
         cfg = read_config(model_directory(resolve_model_path(config.model)))
-        num_blocks, num_host = kv_cache_blocks(config, cfg, dtype)
+        num_blocks, num_host = kv_cache_blocks(config, cfg, dtype, KVLayout.from_config(cfg, config.hybrid_kv_cache))
         threads = max(1, (config.torch_threads or os.cpu_count() or 1) // world)
         group = start_group(world, config.device)
         torch.set_num_threads(threads)
@@ -260,10 +264,11 @@ class Engine(EngineBackend):
         return outputs
 
 
-def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype) -> tuple[int, int]:
+def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype, layout: KVLayout | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks) of the whole cache; tensor-parallel ranks each hold their
-    heads' slice of every block, so the count does not depend on tensor_parallel_size."""
-    block_bytes = KVCacheTensors.bytes_per_block(cfg, config.block_size, dtype.itemsize)
+    heads' slice of every block, so the count does not depend on tensor_parallel_size. With layer
+    groups (`layout`) a block holds one group's layers."""
+    block_bytes = KVCacheTensors.bytes_per_block(cfg, config.block_size, dtype.itemsize, layout)
     num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_gib * GIB // block_bytes))
     return num_blocks, int(config.swap_space_gib * GIB // block_bytes)
 

@@ -73,6 +73,11 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
     prefix_cache_mismatches: int = 0
+    # KV layer groups (conveyor/kv/layout.py; one unless the model has sliding-window layers): each
+    # group's window (0: global) and the prompt blocks each could have supplied alone (of
+    # prefix_cache_queries); a hit needs every group, so prefix_cache_hits <= each of them.
+    kv_group_windows: tuple[int, ...] = ()
+    prefix_cache_group_hits: tuple[int, ...] = ()
     # ---- the core ----
     step_failures: int = 0
     consecutive_step_failures: int = 0
@@ -107,7 +112,8 @@ class EngineStats:
                    num_kv_blocks=kv.num_blocks,
                    num_free_kv_blocks=kv.num_free_blocks, prefix_cache_queries=pool.prefix_queries,
                    prefix_cache_hits=pool.prefix_hits, prefix_cache_evictions=pool.evictions,
-                   prefix_cache_mismatches=pool.mismatches, engine_dead=dead)
+                   prefix_cache_mismatches=pool.mismatches, kv_group_windows=kv.windows,
+                   prefix_cache_group_hits=tuple(kv.group_hits), engine_dead=dead)
 
     @property
     def step_tokens(self) -> int:
@@ -138,10 +144,12 @@ class EngineStats:
                    block_size=max(p.block_size for p in parts),
                    last_step_time=max(p.last_step_time for p in parts),
                    consecutive_step_failures=max(p.consecutive_step_failures for p in parts),
-                   engine_dead=all(p.engine_dead for p in parts))
+                   engine_dead=all(p.engine_dead for p in parts), kv_group_windows=parts[0].kv_group_windows,
+                   prefix_cache_group_hits=tuple(map(sum, zip(*(p.prefix_cache_group_hits for p in parts)))))
 
 
-_NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead", "block_size"})
+_NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead", "block_size",
+                         "kv_group_windows", "prefix_cache_group_hits"})
 
 
 def _request_count(seqs) -> int:

@@ -53,6 +53,8 @@ class AttentionMetadata:
     num_prefill_tokens: int
     prefills: list[PrefillSeq]
     decodes: list[DecodeGroup]
+    # Per layer, when layer groups have their own block tables (conveyor/kv/layout.py); None: this one for all.
+    layers: list[AttentionMetadata] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -136,6 +138,9 @@ class TorchPagedAttention:
         else:
             total = seq.num_cached + seq.query_len
             bt = seq.block_table.unsqueeze(0)
+            if window and seq.num_cached >= window:   # blocks no query of the chunk sees: not gathered
+                skip = (seq.num_cached - window + 1) // k_cache.shape[2]
+                bt, total, mask = bt[:, skip:], total - skip * k_cache.shape[2], mask[:, skip * k_cache.shape[2]:]
             kh = gather_context(k_cache, bt, total).transpose(0, 1)     # [1, KVH, total, d]
             vh = gather_context(v_cache, bt, total).transpose(0, 1)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)

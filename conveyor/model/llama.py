@@ -288,8 +288,9 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self._fused_decode(x, positions, kv_caches, meta)
         else:
             residual = None
-            for layer, rope, kv in zip(self.layers, self._ropes, kv_caches):
-                x, residual = layer.forward(x, residual, positions, rope, kv, meta)
+            metas = meta.layers or [meta] * len(self.layers)   # (layer groups: each its block tables)
+            for layer, rope, kv, m in zip(self.layers, self._ropes, kv_caches, metas):
+                x, residual = layer.forward(x, residual, positions, rope, kv, m)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         x = x[rows] if residual is None else x[rows] + residual[rows]
         x = self.norm.forward(x)
@@ -365,11 +366,12 @@ class LlamaForCausalLM(nn.Module):
     def _fused_decode(self, x, positions, kv_caches, meta: AttentionMetadata):
         """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""
         cfg, group = self.cfg, meta.decodes[0]
+        metas = meta.layers or [meta]   # (layer groups: each its slots and block tables)
         return self.attn_backend.kernels.decode_layers(
             x, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
             [r.cos for r in self._ropes], [r.sin for r in self._ropes],
-            [layer.self_attn.window for layer in self.layers], meta.slot_mapping, group.block_tables,
-            group.context_lens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
+            [layer.self_attn.window for layer in self.layers], [m.slot_mapping for m in metas],
+            [m.decodes[0].block_tables for m in metas], group.context_lens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
             self.attn_backend.scale, cfg.hidden_act != "silu")
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

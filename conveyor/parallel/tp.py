@@ -163,6 +163,7 @@ def run_worker_from_env(device: str = "cpu") -> int:
 
 def _serve_steps(group: TPGroup) -> None:
     """Every rank but 0: build its slice, then run what the driver broadcasts until it says stop."""
+    from conveyor.kv.layout import KVLayout
     from conveyor.model.loader import load_model
     from conveyor.runner.model_runner import ModelRunner
 
@@ -178,7 +179,8 @@ def _serve_steps(group: TPGroup) -> None:
             device = f"cuda:{torch.cuda.current_device()}"
         model = load_model(cfg.model, device, getattr(torch, setup.dtype), tp=group).model
         runner = ModelRunner(model, setup.num_blocks, cfg.block_size, setup.num_host_blocks, device,
-                             getattr(torch, setup.dtype), sample=False)
+                             getattr(torch, setup.dtype), sample=False,
+                             layout=KVLayout.from_config(model.cfg, cfg.hybrid_kv_cache))
         group.broadcast(None)   # loaded (the driver waits for every rank before its first step)
         while True:
             cmd = group.broadcast(None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conveyor.kv.layout import KVLayout
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 
 # Decodes are grouped by context length so that padding to a group's longest context wastes
@@ -23,7 +24,7 @@ class SeqWork:
 
     token_ids: list[int]     # tokens whose K/V are computed now (a prompt chunk, or 1 decode token)
     num_cached: int          # tokens already in the cache before them (= position of token_ids[0])
-    block_table: list[int]   # physical blocks, covering at least num_cached + len(token_ids)
+    block_table: list[int]   # physical blocks, covering at least num_cached + len(token_ids) (per group, interleaved)
     sample: bool = True      # needs logits for its last token this step
 
 
@@ -39,9 +40,11 @@ class ModelInputs:
 
 
 def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
-                 max_decode_groups: int = 4) -> ModelInputs:
+                 max_decode_groups: int = 4, layout: KVLayout | None = None, null_block: int = 0) -> ModelInputs:
     """Lay out prefill chunks (len > 1 or with no cache) first, then single-token decodes
-    sorted by context length, longest first."""
+    sorted by context length, longest first. With a layout of several layer groups (or a
+    windowed one) the tables are interleaved per group (conveyor/kv/layout.py) and the metadata
+    carries each layer's own (``meta.layers``); blocks a local group gave back read `null_block`."""
     is_decode = [len(w.token_ids) == 1 and w.num_cached > 0 for w in work]
     decodes = sorted((i for i, d in enumerate(is_decode) if d), key=lambda i: -work[i].num_cached)
     order = [i for i, d in enumerate(is_decode) if not d] + decodes
@@ -59,21 +62,46 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
     tables = np.zeros((len(seqs), max_blocks), dtype=np.int64)
     for r, w in enumerate(seqs):
         tables[r, :len(w.block_table)] = w.block_table
-    slots = tables[seq_idx, positions // block_size] * block_size + positions % block_size
-
-    prefills = []
+    masks = []
     for r in range(n_pref):
-        w = seqs[r]
-        n, c = len(w.token_ids), w.num_cached
-        nblocks = -(-(c + n) // block_size)
-        mask = None
-        if c > 0:
-            mask = torch.arange(c + n, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None]
-        prefills.append(PrefillSeq(int(starts[r]), n, c, torch.from_numpy(tables[r, :nblocks]).to(device), mask))
+        n, c = len(seqs[r].token_ids), seqs[r].num_cached
+        masks.append(None if c == 0 else
+                     torch.arange(c + n, device=device)[None, :] <= (c + torch.arange(n, device=device))[:, None])
 
-    groups = _decode_groups(cached[n_pref:] + 1, tables[n_pref:], int(starts[n_pref]), block_size, device,
-                            max_decode_groups)
-    meta = AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills, groups)
+    def group_meta(tables: np.ndarray, like: AttentionMetadata | None = None) -> AttentionMetadata:
+        """The metadata over these block tables (`like`: another group's, whose decode groups'
+        lengths and masks it shares)."""
+        slots = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+        prefills = []
+        for r in range(n_pref):
+            n, c = len(seqs[r].token_ids), seqs[r].num_cached
+            nblocks = -(-(c + n) // block_size)
+            prefills.append(PrefillSeq(int(starts[r]), n, c, torch.from_numpy(tables[r, :nblocks]).to(device),
+                                       masks[r]))
+        if like is None:
+            groups = _decode_groups(cached[n_pref:] + 1, tables[n_pref:], int(starts[n_pref]), block_size, device,
+                                    max_decode_groups)
+        else:
+            first = n_pref - int(starts[n_pref])   # a decode group's first row: first + its start
+            groups = [DecodeGroup(d.start, torch.from_numpy(np.ascontiguousarray(
+                tables[first + d.start:first + d.start + d.size, :d.block_tables.shape[1]])).to(device),
+                d.bias, d.max_context, d.context_lens) for d in like.decodes]
+        return AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills,
+                                 groups)
+
+    if layout is None or layout.trivial:
+        meta = group_meta(tables)
+    else:
+        G = layout.num_groups
+        per_group = []
+        for g, w in enumerate(layout.windows):
+            t = np.ascontiguousarray(tables[:, g::G])
+            if w:   # blocks it gave back (stale ids in the runner's copy) read the null block
+                dropped = np.maximum(0, (cached - w + 1) // block_size)   # KVLayout.dropped, per sequence
+                t[np.arange(t.shape[1])[None, :] < dropped[:, None]] = null_block
+            per_group.append(group_meta(t, per_group[0] if per_group else None))
+        meta = per_group[layout.layer_group[0]]
+        meta.layers = [per_group[g] for g in layout.layer_group]
 
     sample_rows = [r for r, w in enumerate(seqs) if w.sample]
     logits_idx = starts[1:][sample_rows] - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.kv.layout import KVLayout
 from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
@@ -98,14 +99,20 @@ class ModelRunner:
     """Implements the engine core's ``Executor`` protocol with a real model."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, sample: bool = True):
-        """sample=False: a tensor-parallel rank other than 0 (it runs its slice; the driver samples)."""
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, sample: bool = True,
+                 layout: KVLayout | None = None):
+        """sample=False: a tensor-parallel rank other than 0 (it runs its slice; the driver samples).
+        layout: the layer groups the scheduler's KV manager uses (default: one group of all layers)."""
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.kv = KVCacheTensors(model.cfg, num_blocks, block_size, device, dtype)
+        self.layout = layout if layout is not None and not layout.trivial else None
+        self.null_block = num_blocks   # (used only by a windowed layout: the block past the pool)
+        windowed = layout is not None and layout.windowed
+        self.kv = KVCacheTensors(model.cfg, num_blocks, block_size, device, dtype, layout=layout, null_block=windowed)
         pin = self.device.type == "cuda"
-        self.host = KVCacheTensors(model.cfg, max(num_host_blocks, 1), block_size, "cpu", dtype, pin_memory=pin)
+        self.host = KVCacheTensors(model.cfg, max(num_host_blocks, 1), block_size, "cpu", dtype, pin_memory=pin,
+                                   layout=layout)
         self.kv_layers = self.kv.layers
         kernels = cpu_kernels(self.device, dtype)
         self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None) if sample else None
@@ -153,7 +160,8 @@ class ModelRunner:
         self.state.apply(plan)
         table = self.state.block_table
         work = [SeqWork(s.token_ids, s.num_computed_tokens, table(s.request_id), s.sample) for s in plan.scheduled]
-        inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups)
+        inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups,
+                              self.layout, self.null_block)
         indices = inputs.logits_indices
         extra = [inputs.starts[i] + j for i, s in enumerate(plan.scheduled) if s.prompt_targets
                  for j in range(len(s.prompt_targets))]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.kv.manager import KVCacheManager
+from conveyor.kv.manager import NO_PREFIX, CachedPrefix, KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.scheduler.admission import AdmissionPolicy, make_admission_policy
 from conveyor.scheduler.config import SchedulerConfig
@@ -97,7 +97,7 @@ class Scheduler:
                              f"{self.kv.num_blocks}")
         # Nothing can outgrow the whole cache: cap there so a lone request always fits
         # (else it would preempt itself forever).
-        capacity = self.kv.num_blocks * self.kv.block_size
+        capacity = self.kv.max_tokens
         request.max_model_len = min(request.max_model_len or capacity, capacity)
         if request.arrival_time is None:
             request.arrival_time = request.metrics.arrival_time = self.clock()
@@ -256,7 +256,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs or req.preempted_step == self.step:
             return 0   # (a request preempted in this step does not come back in the same step)
         swapped = req.status == RequestStatus.SWAPPED
-        cached = [] if swapped else self.kv.find_cached_prefix(req)
+        cached = NO_PREFIX if swapped else self.kv.find_cached_prefix(req)
         lifetime, need_now = self._entry_blocks(req, cached, budget)
         reserved = self._reserved_blocks()
         if (self.running and lifetime + reserved + self._buffer() > self.kv.num_free_blocks) \
@@ -269,10 +269,10 @@ class Scheduler:
             self.swapped.remove(req)
             self.stats.num_swaps_in += 1
         else:
-            req.num_computed_tokens = len(cached) * self.kv.block_size
+            req.num_computed_tokens = cached.num_blocks * self.kv.block_size
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens = req.num_computed_tokens
-            self.kv.record_prefix_lookup(req, len(cached))
+            self.kv.record_prefix_lookup(req, cached)
         n = self._first_chunk(req, budget)
         ok = self.kv.allocate(req, n, cached)
         assert ok, "the admission check counted the blocks of the first chunk"
@@ -284,23 +284,23 @@ class Scheduler:
     def _first_chunk(self, req: Request, budget: int, computed: int | None = None) -> int:
         """Tokens of the request's next chunk (computed: where it starts, default its computed tokens)."""
         start = req.num_computed_tokens if computed is None else computed
-        return min(req.num_tokens - start, budget, self.config.prefill_chunk_cap)
+        return min(req.num_tokens - start, budget, self.config.prefill_chunk_cap, self.kv.max_chunk(start))
 
-    def _entry_blocks(self, req: Request, cached: list[int], budget: int) -> tuple[int, int]:
+    def _entry_blocks(self, req: Request, cached: CachedPrefix, budget: int) -> tuple[int, int]:
         """(free blocks it is predicted to take over its life, free blocks it takes now) for a
         queued request coming in: a waiting one with these prefix-cache hits, or a swapped one
         (its host blocks come back; the blocks it shares stayed on the device)."""
         predicted = self.kv.blocks_for(self.admission.predicted_total(req))
         if req.status == RequestStatus.SWAPPED:
             held = self.kv.num_swapped_blocks(req.request_id) + self.kv.num_pinned(req.request_id)
-            first = self.kv.blocks_for(req.num_computed_tokens + self._first_chunk(req, budget))
+            first = self.kv.blocks_for(req.num_computed_tokens + self._first_chunk(req, budget), req.num_computed_tokens)
             now = self.kv.num_swapped_blocks(req.request_id) + max(0, first - held)
             return max(now, predicted - self.kv.num_pinned(req.request_id)), now
         revived = self.kv.num_revived(cached)
-        computed = len(cached) * self.kv.block_size
-        first = self.kv.blocks_for(computed + self._first_chunk(req, budget, computed))
-        now = max(0, first - len(cached)) + revived
-        return max(now, predicted - len(cached) + revived), now
+        computed = cached.num_blocks * self.kv.block_size
+        first = self.kv.blocks_for(computed + self._first_chunk(req, budget, computed), computed)
+        now = max(0, first - cached.pages) + revived
+        return max(now, predicted - cached.pages + revived), now
 
     def _reserved_blocks(self) -> int:
         """Blocks the running requests are still predicted to need (cached within a step until a
@@ -387,7 +387,7 @@ class Scheduler:
         if not victims:
             return False, 0
         need_slot = len(self.running) >= self.config.max_num_seqs
-        cached = [] if head.status == RequestStatus.SWAPPED else self.kv.find_cached_prefix(head)
+        cached = NO_PREFIX if head.status == RequestStatus.SWAPPED else self.kv.find_cached_prefix(head)
         lifetime, need_now = self._entry_blocks(head, cached, budget)
         self._reserved = None
         free = self.kv.num_free_blocks
@@ -398,7 +398,7 @@ class Scheduler:
         chosen = []
         ordered = order_victims(victims, self.kv, self.config.preemption_mode, self.costs,
                                 self.config.victim_policy)
-        for v, freed in zip(ordered, self._blocks_freed_by(ordered, set(cached))):
+        for v, freed in zip(ordered, self._blocks_freed_by(ordered, cached.block_ids())):
             if (chosen or not need_slot) and short_check <= 0 and short_now <= 0:
                 break
             chosen.append(v)
@@ -563,6 +563,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.publish_full_blocks(req)
+            self.kv.slide(req)   # local layer groups give back blocks that left their window
             token = model_out.sampled[s.request_id] if s.sample else None
             if token is not None:
                 if req.metrics.first_token_time is None:   # vLLM counts a prompt whole, once, here

@@ -73,6 +73,14 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt KV blocks looked up in the prefix cache.",
                       lambda s: s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt KV blocks found in the prefix cache.", lambda s: s.prefix_cache_hits)
+        group_hits = CounterMetricFamily(
+            "conveyor:prefix_cache_group_hits", "Prompt KV blocks each layer group could have supplied from the "
+            "prefix cache alone (a hit needs every group; window 0: a global group; one group unless the model "
+            "has sliding-window layers).", labels=labels + ["group", "window"])
+        for s, _, m in replicas:
+            for g, (hits, window) in enumerate(zip(s.prefix_cache_group_hits, s.kv_group_windows)):
+                group_hits.add_metric(m + [str(g), str(window)], hits)
+        yield group_hits
         yield counter("prompt_tokens", "Prefill tokens computed (recomputation included, cache hits not).",
                       lambda s: s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens_total)

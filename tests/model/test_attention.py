@@ -25,19 +25,23 @@ from model_testlib import allocate_tables
 ATOL = RTOL = 1e-5
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """q: [n, H, d] at ``positions``; k, v: [L, KVH, d] for positions 0..L-1. Returns [n, H * d]."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    window: int = 0) -> torch.Tensor:
+    """q: [n, H, d] at ``positions``; k, v: [L, KVH, d] for positions 0..L-1. Returns [n, H * d].
+    window > 0: a query sees its last `window` positions only."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)   # head h uses kv head h // group
     scores = torch.einsum("nhd,lhd->hnl", q, k) / math.sqrt(q.shape[-1])
     causal = torch.arange(k.shape[0])[None, :] <= positions[:, None]              # [n, L]
+    if window:
+        causal &= torch.arange(k.shape[0])[None, :] > positions[:, None] - window
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", probs, v).reshape(q.shape[0], -1)
 
 
 def run_schedule(lengths: list[int], steps: list[list[tuple[int, int]]], *, heads: int, kv_heads: int,
-                 head_dim: int, block_size: int, seed: int = 0) -> int:
+                 head_dim: int, block_size: int, seed: int = 0, window: int = 0) -> int:
     """Feed sequences of ``lengths`` tokens through paged attention, ``steps`` being lists of
     (sequence, tokens this step); check every output row. Returns the number of rows checked."""
     g = torch.Generator().manual_seed(seed)
@@ -58,11 +62,11 @@ def run_schedule(lengths: list[int], steps: list[list[tuple[int, int]]], *, head
         q = torch.cat([qs[s][a:a + n] for s, a, n in laid_out])
         k = torch.cat([ks[s][a:a + n] for s, a, n in laid_out])
         v = torch.cat([vs[s][a:a + n] for s, a, n in laid_out])
-        out = attn(q, k, v, k_cache, v_cache, inp.meta)
+        out = attn(q, k, v, k_cache, v_cache, inp.meta, window)
         at = 0
         for s, a, n in laid_out:
             assert torch.equal(inp.positions[at:at + n], torch.arange(a, a + n))
-            want = dense_attention(qs[s][a:a + n], ks[s][:a + n], vs[s][:a + n], torch.arange(a, a + n))
+            want = dense_attention(qs[s][a:a + n], ks[s][:a + n], vs[s][:a + n], torch.arange(a, a + n), window)
             torch.testing.assert_close(out[at:at + n].double(), want, atol=ATOL, rtol=RTOL,
                                        msg=lambda m: f"seq {s} positions {a}..{a + n - 1}: {m}")
             at += n
@@ -131,3 +135,23 @@ def test_random_schedules(block_size, heads, lengths, seed):
     h, kvh, d = heads
     assert run_schedule(lengths, steps, heads=h, kv_heads=kvh, head_dim=d, block_size=block_size,
                         seed=seed) == sum(lengths)
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 5, 16]), window=st.sampled_from([1, 3, 8, 20]),
+       lengths=st.lists(st.integers(1, 60), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_sliding_window_schedules(block_size, window, lengths, seed):
+    """Sliding-window layers: chunks after a cached context longer than the window (whose blocks
+    before the window are not gathered) and decodes give windowed dense attention's output."""
+    rng = random.Random(seed)
+    done = [0] * len(lengths)
+    steps = []
+    while any(d < n for d, n in zip(done, lengths)):
+        step = []
+        for s in [s for s in range(len(lengths)) if done[s] < lengths[s]]:
+            n = min(lengths[s] - done[s], rng.choice([1, 2, 7, 20]))
+            step.append((s, n))
+            done[s] += n
+        steps.append(step)
+    assert run_schedule(lengths, steps, heads=4, kv_heads=2, head_dim=16, block_size=block_size, seed=seed,
+                        window=window) == sum(lengths)

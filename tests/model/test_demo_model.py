@@ -95,7 +95,8 @@ def test_greedy_matches_transformers_on_same_gguf(demo, quantized):
         torch.testing.assert_close(got.logits[i], want_logits, rtol=0, atol=logit_atol(want_logits))
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["dequantized", "quantized"])
+@pytest.mark.parametrize("quantized", [pytest.param(False, marks=pytest.mark.heavy), True],
+                         ids=["dequantized", "quantized"])
 def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo, quantized):
     """bf16 cannot match fp32 bit for bit, nor transformers' bf16 (other kernels round elsewhere).
     The tolerance is transformers' own: on the sequence Conveyor generates in bf16 (decode kernel

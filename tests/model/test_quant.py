@@ -308,7 +308,7 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
         assert (got.logits[i][:n] - want.logits[i][:n]).abs().max() <= 1e-3 * want.logits[i][:n].abs().max()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])
+@pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy), "Q4_K_M"])
 def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch, qtype):
     """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q6_K as llama.cpp mixes
     them in a Q4_K_M file, at a model's shapes, the demo tokenizer) load and generate, holding their

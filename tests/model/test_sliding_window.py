@@ -24,9 +24,15 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(path: str, **options) -> tuple[list[list[int]], object]:
+    """Greedy tokens of all prompts, after the first one ran alone (its blocks are cached: the
+    others' shared prefix hits, in a local group only the blocks its window sees)."""
     with LLM(path, dtype="float32", cost_model="none", **options) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.stats()
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        assert stats.kv_invariant_checks > 0 and stats.kv_invariant_violations == 0
+        return [o.outputs[0].token_ids for o in outs], stats
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral_swa"])
@@ -40,8 +46,40 @@ def test_windowed_outputs_do_not_depend_on_blocks_preemption_or_prefix_hits(tiny
     for block_size in (1, 5):
         got, _ = _run(path, num_kv_blocks=2048 // block_size, block_size=block_size)
         assert got == want, f"block size {block_size}"
+    # A cache that holds about two of these sequences at once (a block holds one layer group's K/V:
+    # Gemma's three layers form three groups, Mistral's one), so requests admitted optimistically
+    # preempt one another.
+    tight = {"gemma3": 24, "mistral_swa": 8}[name]
     for mode in ("swap", "recompute"):
-        got, stats = _run(path, num_kv_blocks=14, block_size=8, preemption_mode=mode, admission_policy="optimistic",
+        got, stats = _run(path, num_kv_blocks=tight, block_size=8, preemption_mode=mode, admission_policy="optimistic",
                           max_num_seqs=6, long_prefill_token_threshold=16)
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, mode
         assert got == want, mode
+
+
+def test_local_layers_hold_only_their_window(tiny_models):
+    """Mistral's window on every layer: a sequence holds a window's blocks, not its length's. A cache
+    of 48 tokens serves a 50-token prompt plus 24 tokens (transformers' greedy tokens); with the
+    hybrid KV cache off, the same cache cannot take the prompt."""
+    family = tiny_models("mistral_swa")
+    path = with_tokenizer(family.path)
+    prompt = random_prompts([50], seed=5)[0]
+    want = family.hf_greedy(prompt, GREEDY.max_tokens)[0]
+    with LLM(path, dtype="float32", cost_model="none", num_kv_blocks=6, block_size=8) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        stats = llm.stats()
+        assert stats.kv_group_windows == (8,) and stats.kv_invariant_violations == 0
+    with LLM(path, dtype="float32", cost_model="none", num_kv_blocks=6, block_size=8, hybrid_kv_cache=False) as llm:
+        with pytest.raises(ValueError):
+            llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+
+
+def test_prefix_hits_are_reported_per_layer_group(tiny_models):
+    """Gemma's global layer and its two local ones form three groups; each group's hits are
+    counted, and a hit (all groups) is never more than any group could supply."""
+    path = with_tokenizer(tiny_models("gemma3").path)
+    _, stats = _run(path, num_kv_blocks=256, block_size=4)
+    assert stats.kv_group_windows == (0, 8, 8)
+    assert stats.prefix_cache_hits > 0
+    assert all(h >= stats.prefix_cache_hits for h in stats.prefix_cache_group_hits)

@@ -128,6 +128,7 @@ def test_shared_prefix_lands_on_one_replica(ray_serve):
     assert sum(v > 0 for v in gained.values()) == 1, gained   # all on one replica
 
 
+@pytest.mark.heavy
 def test_killed_replica_fails_only_its_requests_and_serve_replaces_it(ray_serve, local_server):
     from ray import serve
 

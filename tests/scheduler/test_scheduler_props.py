@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.engine.core import EngineCore
+from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus
 from conveyor.runner.state import RunnerState
@@ -89,7 +90,8 @@ class FakeExecutor:
         self.kv = kv
         self.oracle = oracle
         bs = kv.block_size
-        self.device: list[list[int | None]] = [[None] * bs for _ in range(kv.num_blocks)]
+        # a slot holds (layer group, token); with several groups, block b of group g is table[b * G + g]
+        self.device: list[list[tuple[int, int] | None]] = [[None] * bs for _ in range(kv.num_blocks)]
         self.host: list[list[int | None]] = [[None] * bs for _ in range(kv.num_host_blocks)]
         self.fault: Callable[[str], bool] = lambda phase: False
         self.on_call: Callable[[], None] = lambda: None
@@ -115,7 +117,7 @@ class FakeExecutor:
         self.on_call()
         self.state.apply(plan)
         self._check_state()
-        bs = self.kv.block_size
+        bs, G, windows = self.kv.block_size, self.kv.num_groups, self.kv.windows
         # Writes first (a real forward writes every layer's new KV before attending), then reads.
         for s in plan.scheduled:
             truth = self.oracle(s.request_id).all_token_ids
@@ -123,10 +125,11 @@ class FakeExecutor:
             c = s.num_computed_tokens
             assert s.token_ids == truth[c:c + s.num_tokens], f"{s.request_id}: plan tokens are not its tokens"
             for pos in range(c, c + s.num_tokens):
-                b = table[pos // bs]
-                assert self.kv.ref_count(b) == 1, f"{s.request_id} writes into shared block {b}"
-                assert not self.kv.is_cached(b), f"{s.request_id} writes into cached block {b}"
-                self.device[b][pos % bs] = truth[pos]
+                for g in range(G):
+                    b = table[pos // bs * G + g]
+                    assert self.kv.ref_count(b) == 1, f"{s.request_id} writes into shared block {b}"
+                    assert not self.kv.is_cached(b), f"{s.request_id} writes into cached block {b}"
+                    self.device[b][pos % bs] = (g, truth[pos])
         self.during_execute()
         if self.fault("execute"):
             raise InjectedFault("injected forward failure")
@@ -134,10 +137,11 @@ class FakeExecutor:
         for s in plan.scheduled:
             req = self.oracle(s.request_id)
             table = self.state.block_table(s.request_id)
-            for pos in range(s.num_computed_tokens + s.num_tokens):
-                got = self.device[table[pos // bs]][pos % bs]
-                assert got == req.all_token_ids[pos], \
-                    f"{s.request_id}: KV at position {pos} holds {got}, expected {req.all_token_ids[pos]}"
+            for g, w in enumerate(windows):   # what the chunk's queries see: all, or their windows
+                for pos in range(max(0, s.num_computed_tokens - w + 1) if w else 0, s.num_computed_tokens + s.num_tokens):
+                    got = self.device[table[pos // bs * G + g]][pos % bs]
+                    assert got == (g, req.all_token_ids[pos]), \
+                        f"{s.request_id}: KV at position {pos} (group {g}) holds {got}, expected {req.all_token_ids[pos]}"
             if s.sample:
                 row = self.state.row(s.request_id)
                 k = row.num_output_tokens
@@ -155,7 +159,11 @@ class FakeExecutor:
             assert req.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED), \
                 f"the runner still holds {rid} ({req.status})"
             if req.status == RequestStatus.RUNNING:   # a swapped one's table is replaced when it returns
-                assert held.block_ids == self.kv.block_table(rid), f"{rid}: the runner's table is not the KV manager's"
+                table, null = self.kv.block_table(rid), self.kv.null_block
+                # (where a local group gave a block back, the runner keeps the old id and never reads it)
+                assert len(held.block_ids) == len(table) and all(
+                    b == t or t == null for b, t in zip(held.block_ids, table)), \
+                    f"{rid}: the runner's table is not the KV manager's"
 
     @staticmethod
     def _prompt_logprobs(plan: SchedulerOutput) -> dict:
@@ -200,9 +208,11 @@ class Sim:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  prefix_caching: bool = True, admission: AdmissionPolicy | None = None, check: bool = True,
-                 max_consecutive_failures: int = 3):
+                 max_consecutive_failures: int = 3, windows: tuple[int, ...] = (0,)):
+        """windows: the KV layer groups' (KVLayout; default one global group)."""
         self.config = config
-        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+        layout = KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
+        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching, layout)
         self.sched = Scheduler(config, self.kv, admission)
         self.all: dict[str, OracleRequest] = {}
         self.exe = FakeExecutor(self.kv, self.all.__getitem__)
@@ -295,8 +305,11 @@ class Sim:
             assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
             assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens and req.params.pooling is None)
             held = [] if s.new is not None or s.replace_table else self.exe.state.block_table(rid)   # (before)
-            assert held + s.new_block_ids == kv.block_table(rid), f"{rid}: the delta does not rebuild its table"
-            assert len(kv.block_table(rid)) * kv.block_size >= req.num_computed_tokens + s.num_tokens
+            rebuilt, table = held + s.new_block_ids, kv.block_table(rid)
+            # (where a local group gave a block back the runner keeps the old id, never read again)
+            assert len(rebuilt) == len(table) and all(b == t or t == kv.null_block for b, t in zip(rebuilt, table)), \
+                f"{rid}: the delta does not rebuild its table"
+            assert len(table) // kv.num_groups * kv.block_size >= req.num_computed_tokens + s.num_tokens
             assert s.num_tokens <= cfg.prefill_chunk_cap
         assert set(out.swapped_out_ids) == entry.swapped_out
         swapped_blocks = sum(kv.num_swapped_blocks(rid) for rid in entry.swapped_out)
@@ -309,7 +322,8 @@ class Sim:
         assert set(sched.requests) == live
         kv.check_invariants(live)
         # every block is in exactly one place
-        owned = {b for t in [*kv.tables.values(), *kv.swapped_tables.values()] for b in t if b is not None}
+        owned = {b for t in [*kv.tables.values(), *kv.swapped_tables.values()] for b in t
+                 if b is not None and b != kv.null_block}
         free = set(kv.pool.free)
         assert not owned & free and owned | free == set(range(kv.num_blocks))
         assert len(set(kv.host.free_ids)) == len(kv.host.free_ids)
@@ -389,9 +403,13 @@ def scenarios(draw, pressure: bool = False):
     """A random workload and configuration. pressure=True biases towards memory preemption:
     optimistic admission, many sequences, long outputs, everyone arriving early."""
     block_size = draw(st.sampled_from([1, 4, 16]))
+    # KV layer groups: mostly one global group; else local ones (windows of 3-6 tokens) with or
+    # without global ones, as sliding-window models have (conveyor/kv/layout.py)
+    windows = draw(st.sampled_from([(0,), (0,), (0,), (5,), (0, 3), (0, 6, 6)]))
     # tiny pools relative to the workload, so that memory runs out and preemption happens
-    num_blocks = draw(st.integers(8, {1: 64, 4: 24, 16: 10}[block_size]))
-    capacity = num_blocks * block_size
+    num_blocks = draw(st.integers(8, {1: 64, 4: 24, 16: 10}[block_size])) * (len(windows) if 0 in windows else 1)
+    layout = KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
+    capacity = min(layout.max_tokens(num_blocks, block_size), 10_000)
     budget = draw(st.sampled_from([1, 2, 5, 8, 16, 33, 64, 256]))
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(4, 8) if pressure else st.integers(1, 8)),
@@ -433,7 +451,7 @@ def scenarios(draw, pressure: bool = False):
             leader, leader_step = req, step
         abort_at = draw(st.one_of(st.none(), st.none(), st.none(), st.integers(step, step + 40)))
         arrivals.append(Arrival(step, req, abort_at, draw(st.booleans())))
-    return cfg, num_blocks, block_size, num_host, caching, arrivals
+    return cfg, num_blocks, block_size, num_host, caching, arrivals, windows
 
 
 def step_bound(arrivals: list[Arrival]) -> int:
@@ -441,8 +459,8 @@ def step_bound(arrivals: list[Arrival]) -> int:
     return 100 + max(a.step for a in arrivals) + 30 * work
 
 
-def drive(cfg, num_blocks, block_size, num_host, caching, arrivals) -> Sim:
-    sim = Sim(cfg, num_blocks, block_size, num_host, caching)
+def drive(cfg, num_blocks, block_size, num_host, caching, arrivals, windows=(0,)) -> Sim:
+    sim = Sim(cfg, num_blocks, block_size, num_host, caching, windows=windows)
     pending = sorted(arrivals, key=lambda a: a.step)
     aborts = {a.req.request_id: a for a in arrivals if a.abort_at is not None}
     bound = step_bound(arrivals)

@@ -24,16 +24,19 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
 }  // namespace
 
 // x: [M, hidden], the embeddings. Returns (last layer's MLP output, residual stream), as the
-// Python loop. Per layer: its RoPE tables (cos, sin) and attention window (0: global).
+// Python loop. Per layer: its RoPE tables (cos, sin) and attention window (0: global). Slot
+// mappings and block tables: one for every layer, or one per layer (layer groups with their own tables).
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
     std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<int64_t> windows,
-    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
+    std::vector<torch::Tensor> slot_mappings, std::vector<torch::Tensor> block_tables, torch::Tensor context_lens, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gelu) {
     const size_t L = layers.size();
     TORCH_CHECK(k_caches.size() == L && v_caches.size() == L && cos.size() == L && sin.size() == L &&
                 windows.size() == L, "one cache pair, RoPE table and window per layer");
+    TORCH_CHECK((slot_mappings.size() == 1 || slot_mappings.size() == L) && block_tables.size() == slot_mappings.size(),
+                "one slot mapping and block table, or one per layer");
     const int64_t M = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     torch::Tensor res;   // the residual stream: x itself before the first layer's norm
     for (size_t i = 0; i < L; ++i) {
@@ -64,8 +67,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
         }
         rope_(q, positions, cos[i], sin[i]);
         rope_(k, positions, cos[i], sin[i]);
-        write_kv(k, v, k_caches[i], v_caches[i], slot_mapping);
-        auto attn = paged_decode(q, k_caches[i], v_caches[i], block_tables, context_lens, scale, windows[i])
+        const size_t t = slot_mappings.size() == 1 ? 0 : i;
+        write_kv(k, v, k_caches[i], v_caches[i], slot_mappings[t]);
+        auto attn = paged_decode(q, k_caches[i], v_caches[i], block_tables[t], context_lens, scale, windows[i])
                         .view({M, q_size});
         auto o = linear_any(attn, w[kO], c10::nullopt);
         if (w[kAttnOutNorm].numel()) o = rms_norm(o, w[kAttnOutNorm], eps);

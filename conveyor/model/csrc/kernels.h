@@ -30,5 +30,5 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
     std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<int64_t> windows,
-    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gelu);
+    std::vector<torch::Tensor> slot_mappings, std::vector<torch::Tensor> block_tables, torch::Tensor context_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gelu);
