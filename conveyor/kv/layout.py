@@ -83,24 +83,25 @@ class KVLayout:
         on can see (its keys are at positions > query - window)."""
         return max(0, (num_computed - window + 1) // block_size) if window else 0
 
-    def blocks_for(self, num_tokens: int, block_size: int, num_computed: int | None = None) -> int:
+    def blocks_for(self, num_tokens: int, block_size: int, num_computed: int | None = None, chunk: int = 1) -> int:
         """Blocks a sequence of `num_tokens` holds in all groups: once `num_computed` of them are
-        computed (while its next chunk runs), or, with None, at most while it decodes."""
+        computed (while its next chunk runs), or, with None, at most over its life, running chunks
+        of up to `chunk` tokens (1: decoding)."""
         n = cdiv(num_tokens, block_size)
         total = 0
         for w in self.windows:
             if not w:
                 total += n
             elif num_computed is None:
-                total += min(n, self.window_blocks(w, block_size))
+                total += min(n, self.window_blocks(w + chunk - 1, block_size))
             else:
                 total += n - min(n, self.dropped(w, num_computed, block_size))
         return total
 
     def max_tokens(self, num_blocks: int, block_size: int) -> int:
         """The longest sequence whose blocks fit in `num_blocks` while it decodes."""
-        if all(self.windows):
-            return 1 << 62
+        if all(self.windows) and sum(self.window_blocks(w, block_size) for w in self.windows) <= num_blocks:
+            return 1 << 62   # every group holds at most its window
         lo, hi = 0, num_blocks   # blocks per global group: the largest that fits
         while lo < hi:
             mid = (lo + hi + 1) // 2

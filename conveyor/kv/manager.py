@@ -169,12 +169,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def blocks_for(self, num_tokens: int, num_computed: int | None = None) -> int:
+    def blocks_for(self, num_tokens: int, num_computed: int | None = None, chunk: int = 1) -> int:
         """Blocks (all groups) a sequence of num_tokens holds: once num_computed of them are
-        computed, or (None) at most while it decodes (KVLayout.blocks_for)."""
+        computed, or (None) at most over its life in chunks of up to `chunk` tokens
+        (KVLayout.blocks_for)."""
         if self.num_groups == 1 and not self.windows[0]:
             return cdiv(num_tokens, self.block_size)
-        return self.layout.blocks_for(num_tokens, self.block_size, num_computed)
+        return self.layout.blocks_for(num_tokens, self.block_size, num_computed, chunk)
 
     @property
     def max_tokens(self) -> int:
@@ -411,6 +412,9 @@ class KVCacheManager:
         for i in range(start, full):
             for g, w in enumerate(self.windows):
                 block_id = table[i * G + g]
+                if g == 0 and block_id == null and events is not None:   # given back: not stored anew
+                    self._report_stored(request, keys.hashes, run, i)
+                    run = end = i + 1
                 if (parents[g] is None and not w) or block_id == null:
                     continue
                 key, content = self._key(keys, i, g)
@@ -497,11 +501,15 @@ class KVCacheManager:
         is preempted, so recomputing it starts after them (a prefix-cache hit)."""
         if not self.reads_prefix_cache(request):
             return 0
-        table, G, null, blocks = self.tables.get(request.request_id, ()), self.num_groups, self.null_block, self.pool.blocks
+        if all(self.windows):   # what a local group gave back decides: assume nothing stays
+            return 0
+        # Layer groups: the global groups' blocks (a local group's at the hit's end may have been
+        # given back; then more is recomputed than this says).
+        table, G, blocks = self.tables.get(request.request_id, ()), self.num_groups, self.pool.blocks
+        full = [g for g, w in enumerate(self.windows) if not w]
         n = 0
         for i in range(0, len(table), G):
-            row = [blocks[b] for b in table[i:i + G] if b != null]   # (a local group's given-back blocks: null)
-            if not row or any(block.ref_count < 2 or block.block_hash is None for block in row):
+            if any(blocks[table[i + g]].ref_count < 2 or blocks[table[i + g]].block_hash is None for g in full):
                 break
             n += 1
         return min(n * self.block_size, max(0, request.num_tokens - 1))

@@ -290,7 +290,7 @@ class Scheduler:
         """(free blocks it is predicted to take over its life, free blocks it takes now) for a
         queued request coming in: a waiting one with these prefix-cache hits, or a swapped one
         (its host blocks come back; the blocks it shares stayed on the device)."""
-        predicted = self.kv.blocks_for(self.admission.predicted_total(req))
+        predicted = self._lifetime_blocks(req)
         if req.status == RequestStatus.SWAPPED:
             held = self.kv.num_swapped_blocks(req.request_id) + self.kv.num_pinned(req.request_id)
             first = self.kv.blocks_for(req.num_computed_tokens + self._first_chunk(req, budget), req.num_computed_tokens)
@@ -460,7 +460,15 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------
     def _future_blocks(self, req: Request) -> int:
         """Blocks the request is predicted to still need beyond what it holds."""
-        return max(0, self.kv.blocks_for(self.admission.predicted_total(req)) - self.kv.num_held(req.request_id))
+        return max(0, self._lifetime_blocks(req) - self.kv.num_held(req.request_id))
+
+    def _lifetime_blocks(self, req: Request) -> int:
+        """Blocks the request is predicted to hold at its peak: at its predicted length, and, while
+        prompt chunks remain, with a chunk's blocks in each local layer group (they hold a chunk's
+        blocks until its step is done; with one global group, just the length's blocks)."""
+        left = req.num_tokens - req.num_computed_tokens
+        chunk = min(left, self.config.prefill_chunk_cap, self.config.max_num_batched_tokens) if left > 1 else 1
+        return self.kv.blocks_for(self.admission.predicted_total(req), chunk=chunk)
 
     def _waits_for_leader(self, req: Request) -> bool:
         leader = req.prefill_leader

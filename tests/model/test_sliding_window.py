@@ -47,13 +47,15 @@ def test_windowed_outputs_do_not_depend_on_blocks_preemption_or_prefix_hits(tiny
         got, _ = _run(path, num_kv_blocks=2048 // block_size, block_size=block_size)
         assert got == want, f"block size {block_size}"
     # A cache that holds about two of these sequences at once (a block holds one layer group's K/V:
-    # Gemma's three layers form three groups, Mistral's one), so requests admitted optimistically
-    # preempt one another.
+    # Gemma's three layers form three groups, Mistral's one). Gemma's global layer grows, so requests
+    # admitted optimistically preempt one another; Mistral's sequences never outgrow their window
+    # (plus a prefill chunk), which admission counts exactly, so they run two by two without
+    # preemption (windowed preemption: tests/scheduler/test_scheduler_props.py).
     tight = {"gemma3": 24, "mistral_swa": 8}[name]
     for mode in ("swap", "recompute"):
         got, stats = _run(path, num_kv_blocks=tight, block_size=8, preemption_mode=mode, admission_policy="optimistic",
                           max_num_seqs=6, long_prefill_token_threshold=16)
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, mode
+        assert stats.prefix_cache_hits > 0 and (stats.num_preemptions > 0) == (name == "gemma3"), mode
         assert got == want, mode
 
 

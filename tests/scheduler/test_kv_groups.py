@@ -21,7 +21,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from conveyor.kv.layout import KVLayout, cdiv
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import FULL, SLIDING, ModelConfig
-from conveyor.request import Request
+from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
 
 PREFIXES = [[1 + (i * 5 + j * 3) % 7 for j in range(24)] for i in range(3)]
@@ -177,3 +177,29 @@ def test_layout_from_config_groups_layers_by_window():
     # 4k tokens, blocks of 16: a global group holds 256 blocks, a local one 33 (a 512 window)
     assert gemma.blocks_for(4096, 16) == 256 + 5 * 33
     assert gemma.max_tokens(256 + 5 * 33, 16) == 4096
+
+
+def test_a_window_larger_than_the_cache_caps_the_length():
+    """Every layer windowed, but a window's blocks do not fit the cache: the length is capped where
+    the cache is full (the request ends with 'length'), rather than preempting itself forever."""
+    from test_scheduler_props import Sim, make_request
+
+    from conveyor.scheduler.config import SchedulerConfig
+
+    assert KVLayout.single(2, 64).max_tokens(4, 8) == 32
+    assert KVLayout.single(2, 8).max_tokens(4, 8) == 1 << 62   # a window's 2 blocks fit: no cap
+    for mode in ("swap", "recompute"):
+        sim = Sim(SchedulerConfig(preemption_mode=mode), num_blocks=4, block_size=8, num_host_blocks=8,
+                  windows=(64,))
+        req = sim.add(make_request("r", list(range(1, 11)), 40, ignore_eos=True))
+        sim.run(200)
+        assert req.status == RequestStatus.FINISHED_LENGTH and req.num_tokens == 32, mode
+        assert sim.sched.stats.num_preemptions == 0
+
+
+def test_lifetime_counts_a_prefill_chunk_in_local_groups():
+    """While prompt chunks remain, a local group holds a chunk's blocks beyond its window: the
+    lifetime footprint admission plans with covers what the chunks really hold."""
+    lay, bs, chunk = KVLayout((0, 512), (0, 1), (0, 0), 1), 16, 2048
+    held = max(lay.blocks_for(min(c + chunk, 4000), bs, c) for c in range(0, 4000, chunk))
+    assert lay.blocks_for(4000, bs) < held <= lay.blocks_for(4000, bs, chunk=chunk)

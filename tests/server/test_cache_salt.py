@@ -53,6 +53,9 @@ def test_completions_hit_the_cache_only_within_a_salt(server, client, model_name
         client.responses.create(model=model_name, input=PROMPT, max_output_tokens=1,
                                 extra_body={"cache_salt": other + "-responses"})
     assert hits(server) - before > 0
+    # one layer group (no sliding-window layers): its hits, as /metrics reports them per group, are the hits
+    m = server.metrics()
+    assert m["conveyor:prefix_cache_group_hits_total{group=0,window=0}"] == m["conveyor:prefix_cache_hits_total"] > 0
 
 
 @pytest.mark.parametrize("salt", ["", 5])

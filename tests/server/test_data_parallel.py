@@ -55,6 +55,10 @@ def test_stats_sum_over_replicas():
                             num_unfinished_requests=4)
     assert s.prefix_cache_hit_rate == 0.25 and s.as_dict()["prefix_cache_hit_rate"] == 0.25
     assert EngineStats.combine([b, b]).engine_dead
+    # layer groups (sliding-window models): per-group hits add up group by group, windows stay
+    g = EngineStats.combine([a.replace(kv_group_windows=(0, 512), prefix_cache_group_hits=(5, 7)),
+                             b.replace(kv_group_windows=(0, 512), prefix_cache_group_hits=(1, 2))])
+    assert g.kv_group_windows == (0, 512) and g.prefix_cache_group_hits == (6, 9)
 
 
 CONFIG = EngineConfig.from_options(dtype="float32", num_kv_blocks=128, max_num_seqs=8, cost_model="none")
