@@ -7,8 +7,8 @@ groups give back blocks that left their window) against one block table for ever
 2. Long prompts through the engine with the same KV budget, hybrid on and off, interleaved rounds:
    peak sequences running together, peak blocks in use, preemptions, output tok/s; the greedy
    tokens of the two must be equal (the layout changes memory, never results).
-3. Short-context decode (where nothing leaves a window): step time on vs off, so the per-group
-   block tables cost nothing visible.
+3. Short-context decode (where nothing leaves a window): step time on vs off in one process,
+   alternating, so the per-group block tables' cost shows.
 
     python benchmarks/sliding_kv.py [--model FILE] [--rounds 2]
 """
@@ -60,18 +60,31 @@ def run(model: str, hybrid: bool, prompts: list[list[int]], params: SamplingPara
                 "tokens": [outs[i] for i in ids]}
 
 
-def decode_step_ms(model: str, hybrid: bool, dtype: str, n: int = 96) -> float:
-    """Median engine step of one sequence decoding n tokens after a 64-token prompt."""
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    with LLM(model, cost_model="none", hybrid_kv_cache=hybrid, dtype=dtype) as llm:
-        eng = llm.engine
-        eng.add_request(eng.process_inputs({"prompt_token_ids": list(range(100, 164))}, params))
-        times = []
-        while eng.has_unfinished_requests():
-            t = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times[4:]) * 1e3
+def decode_steps_ms(model: str, dtype: str, reps: int = 12, steps: int = 15) -> dict[str, list[float]]:
+    """Median engine step of one sequence decoding after a 64-token prompt, hybrid and one table
+    side by side in this process, alternating blocks of `steps` steps (separate processes differ
+    by more than this compares: where the weights land in memory)."""
+    params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    llms = {h: LLM(model, cost_model="none", hybrid_kv_cache=h, dtype=dtype) for h in (True, False)}
+    out: dict[str, list[float]] = {"hybrid": [], "one table": []}
+    try:
+        for llm in llms.values():
+            eng = llm.engine
+            eng.add_request(eng.process_inputs({"prompt_token_ids": list(range(100, 164))}, params))
+            for _ in range(5):
+                eng.step()
+        for r in range(reps):
+            for h in ((True, False) if r % 2 == 0 else (False, True)):
+                eng, times = llms[h].engine, []
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    times.append(time.perf_counter() - t)
+                out["hybrid" if h else "one table"].append(statistics.median(times) * 1e3)
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return out
 
 
 def main() -> None:
@@ -117,10 +130,7 @@ def main() -> None:
     assert same, "hybrid and one-table runs gave different greedy tokens"
     ratio = statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in zip(on, off))
 
-    steps = {"hybrid": [], "one table": []}
-    for r in range(2 * args.rounds):   # interleaved, alternating which goes first
-        for hybrid in ((True, False) if r % 2 == 0 else (False, True)):
-            steps["hybrid" if hybrid else "one table"].append(decode_step_ms(args.model, hybrid, args.dtype))
+    steps = decode_steps_ms(args.model, args.dtype)
     step_ratio = statistics.median(steps["hybrid"]) / statistics.median(steps["one table"])
     print(f"decode step, short context: hybrid {statistics.median(steps['hybrid']):.2f} ms, one table "
           f"{statistics.median(steps['one table']):.2f} ms ({step_ratio:.3f}x)")
