@@ -132,7 +132,6 @@ class KVCacheManager:
         # Where a local group gave a block back: a block id past the pool, never written (zeros).
         self.null_block = num_blocks if layout.windowed else -1
         self.num_null: dict[str, int] = {}           # request id -> null entries in its table
-        self.slid: dict[str, list[int]] = {}         # request id -> per group, leading blocks given back
         self.group_hits = [0] * layout.num_groups    # per group: blocks it alone could have supplied
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.host = HostPool(num_host_blocks)
@@ -173,7 +172,7 @@ class KVCacheManager:
         """Blocks (all groups) a sequence of num_tokens holds: once num_computed of them are
         computed, or (None) at most over its life in chunks of up to `chunk` tokens
         (KVLayout.blocks_for)."""
-        if self.num_groups == 1 and not self.windows[0]:
+        if self.layout.trivial:
             return cdiv(num_tokens, self.block_size)
         return self.layout.blocks_for(num_tokens, self.block_size, num_computed, chunk)
 
@@ -358,9 +357,6 @@ class KVCacheManager:
             self.num_registered[rid] = cached.num_blocks
             last = cached[-self.num_groups:]
             self.chain_parent[rid] = [0 if w else self.pool.blocks[b].pub_id for b, w in zip(last, self.windows)]
-            if self.layout.windowed:
-                computed = cached.num_blocks * self.block_size
-                self.slid[rid] = [self.layout.dropped(w, computed, self.block_size) for w in self.windows]
         table.extend(self.pool.allocate(need))
         return True
 
@@ -375,19 +371,21 @@ class KVCacheManager:
             return
         G, bs, null = self.num_groups, self.block_size, self.null_block
         logical = len(table) // G
-        slid = self.slid.setdefault(rid, [0] * G)
         freed = 0
         for g, w in enumerate(self.windows):
             if not w:
                 continue
-            upto = min(self.layout.dropped(w, request.num_computed_tokens, bs), logical)
-            for b in range(slid[g], upto):
-                i = b * G + g
-                if table[i] != null:
-                    self.pool.release([table[i]])
-                    table[i] = null
-                    freed += 1
-            slid[g] = max(slid[g], upto)
+            # A group's given-back blocks are a leading run of nulls: walk back from the window's
+            # start to that run (O(blocks given back now)), then give them back oldest first.
+            b = min(self.layout.dropped(w, request.num_computed_tokens, bs), logical)
+            going = []
+            while b > 0 and table[(b - 1) * G + g] != null:
+                b -= 1
+                going.append(b * G + g)
+            for i in reversed(going):
+                self.pool.release([table[i]])
+                table[i] = null
+            freed += len(going)
         if freed:
             self.num_null[rid] = self.num_null.get(rid, 0) + freed
 
@@ -462,7 +460,6 @@ class KVCacheManager:
         self.num_registered.pop(rid, None)
         self.chain_parent.pop(rid, None)
         self.num_null.pop(rid, None)
-        self.slid.pop(rid, None)
 
     def forget(self, request: Request) -> None:
         """Drop a finished request's cached block keys."""

@@ -23,6 +23,7 @@ from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import FULL, SLIDING, ModelConfig
 from conveyor.request import Request, RequestStatus
 from conveyor.sampling.params import SamplingParams
+from test_scheduler_props import Sim, make_request, windows_layout
 
 PREFIXES = [[1 + (i * 5 + j * 3) % 7 for j in range(24)] for i in range(3)]
 LAYOUTS = [(4,), (0, 3), (0, 5, 5), (2, 0, 2, 2), (6, 0, 0)]
@@ -38,7 +39,7 @@ class GroupedKV(RuleBasedStateMachine):
     @initialize(windows=st.sampled_from(LAYOUTS), block_size=st.sampled_from([1, 2, 4]),
                 num_blocks=st.integers(4, 40), num_host=st.integers(0, 12), caching=st.booleans())
     def setup(self, windows, block_size, num_blocks, num_host, caching):
-        self.layout = KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
+        self.layout = windows_layout(windows)
         self.kv = KVCacheManager(num_blocks, block_size, num_host, caching, self.layout)
         self.bs, self.G = block_size, len(windows)
         # slot contents: (group, the token sequence up to and including this position)
@@ -182,8 +183,6 @@ def test_layout_from_config_groups_layers_by_window():
 def test_a_window_larger_than_the_cache_caps_the_length():
     """Every layer windowed, but a window's blocks do not fit the cache: the length is capped where
     the cache is full (the request ends with 'length'), rather than preempting itself forever."""
-    from test_scheduler_props import Sim, make_request
-
     from conveyor.scheduler.config import SchedulerConfig
 
     assert KVLayout.single(2, 64).max_tokens(4, 8) == 32
@@ -200,6 +199,6 @@ def test_a_window_larger_than_the_cache_caps_the_length():
 def test_lifetime_counts_a_prefill_chunk_in_local_groups():
     """While prompt chunks remain, a local group holds a chunk's blocks beyond its window: the
     lifetime footprint admission plans with covers what the chunks really hold."""
-    lay, bs, chunk = KVLayout((0, 512), (0, 1), (0, 0), 1), 16, 2048
+    lay, bs, chunk = windows_layout((0, 512)), 16, 2048
     held = max(lay.blocks_for(min(c + chunk, 4000), bs, c) for c in range(0, 4000, chunk))
     assert lay.blocks_for(4000, bs) < held <= lay.blocks_for(4000, bs, chunk=chunk)

@@ -42,6 +42,11 @@ EOS = 0
 VOCAB = 50
 
 
+def windows_layout(windows: tuple[int, ...]) -> KVLayout:
+    """KV layer groups of these windows (0: global), one layer each: what the manager plans with."""
+    return KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
+
+
 def token_at(seed: int, k: int) -> int:
     """The non-EOS token a request with this seed samples at output index k."""
     return 1 + (seed * 7919 + k * 104729) % (VOCAB - 1)
@@ -211,8 +216,7 @@ class Sim:
                  max_consecutive_failures: int = 3, windows: tuple[int, ...] = (0,)):
         """windows: the KV layer groups' (KVLayout; default one global group)."""
         self.config = config
-        layout = KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
-        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching, layout)
+        self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching, windows_layout(windows))
         self.sched = Scheduler(config, self.kv, admission)
         self.all: dict[str, OracleRequest] = {}
         self.exe = FakeExecutor(self.kv, self.all.__getitem__)
@@ -408,8 +412,7 @@ def scenarios(draw, pressure: bool = False):
     windows = draw(st.sampled_from([(0,), (0,), (0,), (5,), (0, 3), (0, 6, 6)]))
     # tiny pools relative to the workload, so that memory runs out and preemption happens
     num_blocks = draw(st.integers(8, {1: 64, 4: 24, 16: 10}[block_size])) * (len(windows) if 0 in windows else 1)
-    layout = KVLayout(windows, tuple(range(len(windows))), (0,) * len(windows), 1)
-    capacity = min(layout.max_tokens(num_blocks, block_size), 10_000)
+    capacity = min(windows_layout(windows).max_tokens(num_blocks, block_size), 10_000)
     budget = draw(st.sampled_from([1, 2, 5, 8, 16, 33, 64, 256]))
     cfg = SchedulerConfig(
         max_num_seqs=draw(st.integers(4, 8) if pressure else st.integers(1, 8)),
