@@ -1,15 +1,15 @@
 """Synthetic Llama GGUF files at real model sizes (random weights), to measure memory, load time
 and decode speed where the demo model is too small to tell.
 
-    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0|Q4_K_M [--out DIR] [--measure]
+    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0|Q4_K_M|Q5_K_M [--out DIR] [--measure]
 
 Shapes are Llama-3.2-1B's and Llama-3.1-8B's (hidden 2048 / 4096, 16 / 32 layers, MLP 8192 /
 14336, 32 heads, 8 KV heads), with the demo model's tokenizer (and so its 49152-token vocabulary)
 copied in so that the file loads like any other. Codes are uniform random bytes and scales small
 fp16 values: the bytes the kernels stream are those of a real file of that type (the outputs are
-noise). Q4_K_M follows llama.cpp's recipe for that file type: Q4_K everywhere except the LM head,
-and attn_v / ffn_down of the first and last eighth of the layers and every third in between, in
-Q6_K. Written block by block with the `gguf` package, no fp32 tensor in memory. With
+noise). Q4_K_M and Q5_K_M follow llama.cpp's recipe for those file types: Q4_K (Q5_K) everywhere
+except the LM head, and attn_v / ffn_down of the first and last eighth of the layers and every third
+in between, in Q6_K. Written block by block with the `gguf` package, no fp32 tensor in memory. With
 `--measure`: resident memory after load, load time and batch-1 decode steps against the bytes
 read per token over the memory bandwidth measured in the same run; a JSON and a line in
 docs/benchmarks.md.
@@ -32,8 +32,8 @@ SIZES = {  # hidden, layers, intermediate, heads, kv heads
     "8b": (4096, 32, 14336, 32, 8),
 }
 # Bytes per block of weights: (weights per block, bytes).
-BLOCK_BYTES = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}
-QTYPES = ("Q4_0", "Q8_0", "Q4_K_M")
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+QTYPES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M")
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
@@ -42,8 +42,9 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.nd
     per, bs = BLOCK_BYTES[qtype]
     nb = cols // per
     data = rng.integers(0, 256, size=(rows, nb, bs), dtype=np.uint8)
-    where = {"Q4_K": slice(0, 4), "Q6_K": slice(208, 210)}.get(qtype, slice(0, 2))   # d (Q4_K: and dmin)
-    span = {"Q4_K": 2 / (8 * 40 * np.sqrt(cols)), "Q6_K": 2 / (32 * 80 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
+    where = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}.get(qtype, slice(0, 2))  # d (and dmin)
+    span = {"Q4_K": 2 / (8 * 40 * np.sqrt(cols)), "Q5_K": 2 / (16 * 40 * np.sqrt(cols)),
+            "Q6_K": 2 / (32 * 80 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
     count = (where.stop - where.start) // 2
     scale = (rng.random((rows, nb, count), dtype=np.float32) * span).astype(np.float16)
     data[:, :, where] = scale.view(np.uint8).reshape(rows, nb, 2 * count)
@@ -51,16 +52,17 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.nd
 
 
 def tensor_type(name: str, qtype: str, layers: int) -> str:
-    """The type of tensor `name` in a file of `qtype` (Q4_K_M: llama.cpp's choice per tensor)."""
-    if qtype != "Q4_K_M":
+    """The type of tensor `name` in a file of `qtype` (Q4_K_M, Q5_K_M: llama.cpp's choice per tensor)."""
+    if qtype not in ("Q4_K_M", "Q5_K_M"):
         return qtype
+    base = qtype[:4]
     if name == "output.weight":
         return "Q6_K"
     if name.endswith(("attn_v.weight", "ffn_down.weight")):
         i = int(name.split(".")[1])
         more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-        return "Q6_K" if more_bits else "Q4_K"
-    return "Q4_K"
+        return "Q6_K" if more_bits else base
+    return base
 
 
 def write(size: str, qtype: str, out: Path) -> Path:

@@ -108,14 +108,14 @@ def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
 
 
 def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
-    """Random K-quant super-blocks (gguf cannot quantize to K types): random codes, 6-bit scales and
-    minima (Q4_K) or int8 scales (Q6_K), small fp16 super-block scales; the reference is gguf's
-    dequantization."""
+    """Random K-quant super-blocks (gguf cannot quantize to K types): random codes (Q5_K: and fifth
+    bits), 6-bit scales and minima (Q4_K, Q5_K) or int8 scales (Q6_K), small fp16 super-block scales;
+    the reference is gguf's dequantization."""
     g = np.random.default_rng(seed)
     nbytes = K_SUPER_BYTES[qtype]
     data = g.integers(0, 256, (rows, cols // SUPER, nbytes), dtype=np.uint8)
     d = (g.random((rows, cols // SUPER, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         data[:, :, 0:4] = d.reshape(rows, cols // SUPER, 4)
     else:
         data[:, :, 208:210] = d[:, :, :2].reshape(rows, cols // SUPER, 2) if d.shape[-1] == 2 else d[:, :, :2]
@@ -125,10 +125,12 @@ def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor,
     return QuantTensor(torch.from_numpy(data), qtype, cols), dense
 
 
-def _q4k_mins(w: QuantTensor) -> torch.Tensor:
-    """Q4_K's minimum per row and block of 32 (dmin times the 6-bit minimum), from the plain bytes."""
-    raw = w.data.view(w.out_features, -1, 144).long()
-    dmin = w.data.view(w.out_features, -1, 144)[:, :, 2:4].contiguous().view(torch.float16).double()  # [rows, sb, 1]
+def _k_mins(w: QuantTensor) -> torch.Tensor:
+    """Q4_K's / Q5_K's minimum per row and block of 32 (dmin times the 6-bit minimum), from the plain
+    bytes."""
+    nbytes = K_SUPER_BYTES[w.qtype]
+    raw = w.data.view(w.out_features, -1, nbytes).long()
+    dmin = w.data.view(w.out_features, -1, nbytes)[:, :, 2:4].contiguous().view(torch.float16).double()  # [rows, sb, 1]
     sc = raw[:, :, 4:16]
     mins = []
     for j in range(8):
@@ -139,13 +141,13 @@ def _q4k_mins(w: QuantTensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(K_SUPER_BYTES))
 def test_k_quant_kernel_computes_its_definition(qtype):
-    """Q4_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding give gguf's
-    weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's minima
-    times the exact block sums of x; Q6_K's zero of 32 per 16 weights in integers)."""
+    """Q4_K / Q5_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding give
+    gguf's weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's
+    and Q5_K's minima times the exact block sums of x; Q6_K's zero of 32 per 16 weights in integers)."""
     w, dense = _random_k(qtype, 48, 512, seed=5)
     r = w.for_int8()
     assert r.x16 and r.data.dim() == 3 and r.out_features == 48
-    assert r.data.numel() <= (1.0 if qtype == "Q6_K" else 1.03) * w.data.numel()
+    assert r.data.numel() <= {"Q4_K": 1.03, "Q5_K": 1.025, "Q6_K": 1.0}[qtype] * w.data.numel()
     torch.testing.assert_close(KERNELS.qdequant(r.data, 512, torch.float32), dense, rtol=1e-6, atol=1e-7)
     ids = torch.tensor([[3, 0], [47, 17]])
     torch.testing.assert_close(KERNELS.qembedding(r.data, ids, 512, torch.float32), dense[ids.view(-1)],
@@ -155,8 +157,8 @@ def test_k_quant_kernel_computes_its_definition(qtype):
     for tokens in (1, 3, 8, 11):
         x = torch.randn(tokens, 512, generator=g)
         x[0, 32:64] = 0   # an all-zero block: scale 0
-        if qtype == "Q4_K":
-            mins = _q4k_mins(w)   # dense = scale * code - min: the int8 terms multiply scale * code
+        if qtype != "Q6_K":
+            mins = _k_mins(w)   # dense = scale * code - min: the int8 terms multiply scale * code
             xb = x.double().view(tokens, -1, BLOCK)
             want = _int8_reference(x, w, dense + mins.float().repeat_interleave(BLOCK, 1), plain=True) \
                 - xb.sum(-1) @ mins.T
@@ -308,14 +310,18 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
         assert (got.logits[i][:n] - want.logits[i][:n]).abs().max() <= 1e-3 * want.logits[i][:n].abs().max()
 
 
-@pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy), "Q4_K_M"])
+@pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy),
+                                   pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M"])
 def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch, qtype):
-    """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q6_K as llama.cpp mixes
-    them in a Q4_K_M file, at a model's shapes, the demo tokenizer) load and generate, holding their
-    matmul weights in about the file's bytes (Q4_K_M: where int8 activations run)."""
+    """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
+    llama.cpp mixes them in a Q4_K_M / Q5_K_M file, at a model's shapes, the demo tokenizer) load and
+    generate, holding their matmul weights in about the file's bytes (K mixes: where int8 activations
+    run), and K mixes give the logits of the same file dequantized."""
+    from conveyor.model.loader import load_model
     from conveyor.model.quant import int8_activations_native
 
-    if qtype == "Q4_K_M" and not int8_activations_native():
+    k_mix = qtype.endswith("_K_M")
+    if k_mix and not int8_activations_native():
         pytest.skip("K-quants are computed as stored only with int8 activations (AVX512-VNNI)")
     import importlib.util
     from pathlib import Path
@@ -338,8 +344,14 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         held = llm.engine.loaded.model.weight_bytes()
     assert len(out[0].outputs[0].token_ids) == 4
-    assert held["Q4_K" if qtype == "Q4_K_M" else qtype] > 0
+    assert held[qtype[:4]] > 0 and (not k_mix or held["Q6_K"] > 0)
     assert abs(sum(held.values()) - tensor_bytes) <= 0.1 * tensor_bytes
+    if k_mix:   # every matmul as stored (int8 activations) vs the file dequantized to fp32
+        stored, dense = load_model(path).model, load_model(path, quantization="none").model
+        prompts = random_prompts([1, 9, 40], seed=3)
+        for got, want in zip(conveyor_prompt_logits(stored, prompts, chunk=16),
+                             conveyor_prompt_logits(dense, prompts, chunk=16)):
+            assert (got - want).abs().max() <= 1e-3 * want.abs().max()
 
 
 def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):

@@ -644,11 +644,13 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
     return out;
 }
 
-// ---- K-quants (Q4_K, Q6_K): super-blocks of 256 weights, in an x16 layout only ------------------
+// ---- K-quants (Q4_K, Q5_K, Q6_K): super-blocks of 256 weights, in an x16 layout only -------------
 // ggml's plain super-blocks (bytes per 256 weights):
 //   Q4_K (144): d, dmin (fp16); 12 bytes of 6-bit scales and minima of 8 sub-blocks of 32; 128 bytes
 //     of 4-bit codes, bytes 32p..32p+31 holding sub-block 2p (low nibbles) and 2p+1 (high nibbles);
 //     weight = d * scale * code - dmin * min.
+//   Q5_K (176): Q4_K's d, dmin and 12 scale bytes; 32 bytes of fifth bits (byte l, bit s: weight l of
+//     sub-block s); then Q4_K's 128 bytes of low 4 bits. code = low | fifth << 4, 0..31.
 //   Q6_K (210): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per 16
 //     weights), d (fp16); weight = d * scale * (code - 32).
 // The x16 layout is a 3-D tensor [N / 16, super-blocks, bytes] (its shape tells it from the 32-blocks'
@@ -656,27 +658,34 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //   Q4_K (2368 = 16 x 148): 16 d, 16 dmin (fp16); 8 x 16 scale bytes (sub-block-major); 8 x 16 min
 //     bytes; then per pair p of sub-blocks 8 chunks of 64 bytes, chunk t holding in lane j row j's
 //     code bytes 32p + 4t .. 32p + 4t + 3 (low nibbles: sub-block 2p's weights 4t..4t+3; high: 2p+1's);
+//   Q5_K (2880 = 16 x 180): Q4_K's layout, then 8 chunks of 64 bytes of fifth bits, chunk t holding in
+//     lane j row j's bytes 4t..4t+3 (bit s: sub-block s's weight 4t+i);
 //   Q6_K (3360 = 16 x 210, the file's bytes): 16 d (fp16); 16 x 16 scale bytes (int8, per 16
 //     weights); then per block b of 32 weights 4 chunks of 64 bytes of low 4 bits, chunk c holding
 //     in lane j row j's weights 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles), and 2
 //     chunks of high 2 bits, chunk h holding in lane j byte k bits 2q..2q+1 of weight 4(4h+q)+k
 //     (so code vector t = 4h+q takes them with one shift and one mask).
-// Q4_K's layout is 1.03x the file's bytes.
+// Q4_K's layout is 1.03x the file's bytes, Q5_K's 1.02x.
 // Only the int8 (two-term activation) arithmetic of the 32-blocks' x16 kernel runs them.
-enum KType { kQ4_K = 144, kQ6_K = 210 };   // bytes per plain super-block of 256
+enum KType { kQ4_K = 144, kQ5_K = 176, kQ6_K = 210 };   // bytes per plain super-block of 256
 constexpr int kSuper = 256;
-constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : 3360; }
+constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : KT == kQ5_K ? 2880 : 3360; }
+constexpr int64_t kFifthBits = 2368;   // where Q5_K's fifth bits start in its x16 super-block
+// Q4_K and Q5_K: weight = d * scale * code - dmin * min (Q6_K: a zero of 32 instead of minima).
+constexpr bool has_min(int KT) { return KT != kQ6_K; }
 
 template <typename F>
 inline void with_ktype(int kt, F&& f) {
     if (kt == kQ4_K) f(std::integral_constant<int, kQ4_K>{});
+    else if (kt == kQ5_K) f(std::integral_constant<int, kQ5_K>{});
     else f(std::integral_constant<int, kQ6_K>{});
 }
 
 int ktype_of_x16(int64_t bytes) {
-    TORCH_CHECK(bytes == kx16_bytes(kQ4_K) || bytes == kx16_bytes(kQ6_K), "unknown K-quant x16 layout (",
-                bytes, " bytes per super-block)");
-    return bytes == kx16_bytes(kQ4_K) ? kQ4_K : kQ6_K;
+    for (int kt : {kQ4_K, kQ5_K, kQ6_K})
+        if (bytes == kx16_bytes(kt)) return kt;
+    TORCH_CHECK(false, "unknown K-quant x16 layout (", bytes, " bytes per super-block)");
+    return 0;
 }
 
 // Q4_K's 6-bit scale and minimum of sub-block j (ggml's packing of 8 pairs into 12 bytes).
@@ -714,13 +723,17 @@ void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
                 uint8_t* o = dst + (g * ns + s) * kx16_bytes(KT);
                 for (int j = 0; j < kRows; ++j) {
                     const uint8_t* b = src + ((g * kRows + j) * ns + s) * KT;
-                    if constexpr (KT == kQ4_K) {
+                    if constexpr (has_min(KT)) {
+                        const uint8_t* qs = b + (KT == kQ5_K ? 48 : 16);
                         std::memcpy(o + 2 * j, b, 2);
                         std::memcpy(o + 32 + 2 * j, b + 2, 2);
                         for (int sub = 0; sub < 8; ++sub) q4k_scale_min(b + 4, sub, o[64 + 16 * sub + j], o[192 + 16 * sub + j]);
                         for (int p = 0; p < 4; ++p)
                             for (int t = 0; t < 8; ++t)
-                                for (int i = 0; i < 4; ++i) o[320 + 512 * p + 64 * t + 4 * j + i] = b[16 + 32 * p + 4 * t + i];
+                                for (int i = 0; i < 4; ++i) o[320 + 512 * p + 64 * t + 4 * j + i] = qs[32 * p + 4 * t + i];
+                        if constexpr (KT == kQ5_K)
+                            for (int t = 0; t < 8; ++t)
+                                for (int i = 0; i < 4; ++i) o[kFifthBits + 64 * t + 4 * j + i] = b[16 + 4 * t + i];
                     } else {
                         std::memcpy(o + 2 * j, b + 208, 2);
                         for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = b[192 + i];
@@ -750,7 +763,7 @@ template <int KT>
 void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes, float* scale16, float* min16) {
     const uint8_t* o = w + ((n / kRows) * ns + s) * kx16_bytes(KT);
     const int j = (int)(n % kRows);
-    if constexpr (KT == kQ4_K) {
+    if constexpr (has_min(KT)) {
         const float d = half_at(o + 2 * j), dmin = half_at(o + 32 + 2 * j);
         for (int sub = 0; sub < 8; ++sub) {
             scale16[2 * sub] = scale16[2 * sub + 1] = d * (float)o[64 + 16 * sub + j];
@@ -762,6 +775,11 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
                     const uint8_t byte = o[320 + 512 * p + 64 * t + 4 * j + i];
                     codes[64 * p + 4 * t + i] = byte & 0xF;
                     codes[64 * p + 32 + 4 * t + i] = byte >> 4;
+                    if constexpr (KT == kQ5_K) {
+                        const uint8_t fifth = o[kFifthBits + 64 * t + 4 * j + i];
+                        codes[64 * p + 4 * t + i] |= ((fifth >> (2 * p)) & 1) << 4;
+                        codes[64 * p + 32 + 4 * t + i] |= ((fifth >> (2 * p + 1)) & 1) << 4;
+                    }
                 }
     } else {
         const float d = half_at(o + 2 * j);
@@ -829,7 +847,7 @@ void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int6
                             dot2 -= 32 * (lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r]);
                         }
                         s[m] += ((float)dot * X.d[r] + (float)dot2 * X.d2[r]) * scale16[h];
-                        if (KT == kQ4_K && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
+                        if (has_min(KT) && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
                     }
             }
             for (int64_t m = 0; m < M; ++m) narrow(s[m] + (bias ? widen(bias[n]) : 0.f), y + m * N + n);
@@ -865,13 +883,18 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
             _mm_prefetch(reinterpret_cast<const char*>(o) + kx16_bytes(KT) + l, _MM_HINT_T0);
         const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
         __m512i codes[8];
-        if constexpr (KT == kQ4_K) {
+        if constexpr (has_min(KT)) {
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)));
             for (int sub = 0; sub < 8; ++sub) {
                 const uint8_t* cp = o + 320 + 512 * (sub / 2);
                 for (int t = 0; t < 8; ++t) {
                     const __m512i raw = _mm512_loadu_si512(cp + 64 * t);
                     codes[t] = _mm512_and_si512(sub % 2 ? _mm512_srli_epi16(raw, 4) : raw, nib);
+                    if constexpr (KT == kQ5_K) {   // the sub-block's fifth bits to bit 4 of each byte
+                        const __m512i fifth = _mm512_loadu_si512(o + kFifthBits + 64 * t);
+                        const __mmask64 set = _mm512_test_epi8_mask(fifth, _mm512_set1_epi8((char)(1 << sub)));
+                        codes[t] = _mm512_mask_add_epi8(codes[t], set, codes[t], _mm512_set1_epi8(0x10));
+                    }
                 }
                 const __m512 sc = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64 + 16 * sub)))));
@@ -1059,10 +1082,11 @@ torch::Tensor qrepack(torch::Tensor w, int64_t K) {
     return out;
 }
 
-// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 144 Q4_K, 210 Q6_K; N a multiple of
+// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 144 Q4_K, 176 Q5_K, 210 Q6_K; N a multiple of
 // 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
 torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
-    TORCH_CHECK(bytes == kQ4_K || bytes == kQ6_K, "K-quant super-block bytes: 144 (Q4_K) or 210 (Q6_K), got ", bytes);
+    TORCH_CHECK(bytes == kQ4_K || bytes == kQ5_K || bytes == kQ6_K,
+                "K-quant super-block bytes: 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K), got ", bytes);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "a plain [N, row bytes] weight");
     TORCH_CHECK(K > 0 && K % kSuper == 0 && w.size(1) == K / kSuper * bytes, "row bytes do not match K ", K);
     TORCH_CHECK(w.size(0) % kRows == 0, "x16 needs a multiple of 16 rows, got ", w.size(0));
