@@ -2,8 +2,9 @@
 
 ``EngineCore.tracer = StepTracer()`` records, after every step: when it started and how long it
 took (by the core's clock: wall time in the engine, simulated time in the simulator), the
-batch (sequences, prefill and decode tokens), preemptions and swaps, KV usage and the queue
-lengths. Saved as JSON (``save``) or as a Chrome / Perfetto trace (``save_chrome``, open it at
+batch (sequences, prefill and decode tokens, and the features a step-cost model prices: its
+``StepShape``), preemptions and swaps (and the blocks copied), KV usage and the queue lengths.
+``conveyor simulate --validate`` prices a real trace's steps with a cost model (sim/validate.py). Saved as JSON (``save``) or as a Chrome / Perfetto trace (``save_chrome``, open it at
 ui.perfetto.dev); ``conveyor plot`` draws it. No torch here.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from conveyor.engine.stats import EngineStats
+from conveyor.scheduler.costs import StepShape
 from conveyor.scheduler.output import SchedulerOutput
 
 
@@ -35,6 +37,8 @@ class StepRecord:
     failed: int = 0            # requests failed with the step (an executor exception)
     seqs: list | None = None   # [[request id, tokens], ...] with detail on
     recomputed: int | None = None   # of the preempted, given back for recomputation (None: preempted - swapped_out)
+    shape: dict | None = None  # the plan's StepShape fields (None: a trace written before they were kept)
+    swap_blocks: int = 0       # KV blocks copied before the step (out and in)
 
     def __post_init__(self) -> None:
         if self.recomputed is None:   # a trace written before the field existed: every victim not swapped
@@ -56,7 +60,8 @@ class StepTracer:
             after[0] - before[0], after[1] - before[1], after[2] - before[2], stats.kv_usage,
             stats.num_running, stats.num_waiting, stats.num_swapped, failed,
             [[s.request_id, s.num_tokens] for s in plan.scheduled] if self.detail else None,
-            after[3] - before[3] if len(after) > 3 else None))
+            after[3] - before[3] if len(after) > 3 else None, asdict(StepShape.of(plan)),
+            len(plan.swap_out) + len(plan.swap_in)))
 
     # ---- files ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -115,20 +115,41 @@ class StepCostModel:
     swap_block: float = 2.0e-4       # seconds to copy one KV block one way
     kv_bytes_per_token: int = 0      # of the profiled model and dtype (0: unknown); sizes a KV cache in GiB
     meta: dict = field(default_factory=dict)   # where the numbers come from: machine, model, fit quality
+    # A correction fitted from a real run's step trace (``conveyor simulate --validate TRACE
+    # --calibrate OUT``, sim/validate.py): the step's time above is multiplied by a factor piecewise
+    # linear in its token count (one curve for decode-only steps, one for steps with a prefill
+    # chunk; empty: 1), and every step is followed by `between_steps` seconds of work outside the
+    # engine's step (the front end: detokenizing, queues, streaming) before the next one starts.
+    decode_scales: list[float] = field(default_factory=list)    # per knot
+    prefill_scales: list[float] = field(default_factory=list)   # per knot
+    between_steps: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knots) != len(self.knot_costs) or not self.knots or sorted(set(self.knots)) != list(self.knots):
             raise ValueError("knots must be increasing token counts, one cost each")
+        if any(len(c) not in (0, len(self.knots)) for c in (self.decode_scales, self.prefill_scales)):
+            raise ValueError("a correction curve has one factor per knot (or none)")
 
     def token_cost(self, tokens: int) -> float:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
 
     def step_time(self, plan: SchedulerOutput) -> float:
-        return self.shape_time(StepShape.of(plan))
+        """The step and the work between it and the next (what a simulated clock advances by)."""
+        return self.shape_time(StepShape.of(plan)) + self.between_steps
 
     def shape_time(self, s: StepShape) -> float:
-        return (self.token_cost(s.tokens) + self.decode_context * s.decode_context
-                + self.prefill_attention * s.prefill_attention + self.sampled * s.num_sampled + self.seq * s.num_seqs)
+        """The engine's step alone (what a step trace's `dt` measures)."""
+        t = (self.token_cost(s.tokens) + self.decode_context * s.decode_context
+             + self.prefill_attention * s.prefill_attention + self.sampled * s.num_sampled + self.seq * s.num_seqs)
+        return t * self.scale(s)
+
+    def scale(self, s: StepShape) -> float:
+        """The trace-fitted correction factor for a step of this shape (1 without one)."""
+        curve = self.prefill_scales if s.prefill_tokens else self.decode_scales
+        if not curve:
+            return 1.0
+        tokens = min(max(s.tokens, self.knots[0]), self.knots[-1])   # flat past the ends
+        return max(0.0, sum(w * c for w, c in zip(hat_weights(self.knots, tokens), curve)))
 
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_block

@@ -222,7 +222,39 @@ def _with_knob(args: argparse.Namespace, name: str, value: str) -> argparse.Name
 SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arrival", "prompt_len", "output_len")
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    """--validate TRACE [--calibrate OUT]: the cost model against a real engine's step trace."""
+    from conveyor.engine.trace import StepTracer
+    from conveyor.sim.validate import calibrate, format_errors, validate
+
+    setup = Setup(args)
+    if not isinstance(setup.cost, StepCostModel):
+        raise ValueError("--validate checks a profile (a step-cost model), not a roofline model")
+    trace = StepTracer.load(args.validate)
+    print(f"cost model: {setup.describe}\ntrace: {args.validate} ({len(trace.records)} steps, "
+          f"{trace.meta.get('source', '?')}, {trace.meta.get('model', '?')})")
+    if args.calibrate:
+        corrected, report = calibrate(trace, setup.cost)
+        print(format_errors(report["before"], f"held-out steps ({report['held_out_steps']}; fitted on "
+                                              f"{report['fit_steps']}), the profile as it is:"))
+        print(format_errors(report["after"], "the same steps, corrected:"))
+        print(f"between steps: {report['between_steps_ms']:.2f} ms added to every simulated step")
+        corrected.save(args.calibrate)
+        print(f"wrote {args.calibrate} (use it with --cost-model {args.calibrate})")
+    else:
+        report = validate(trace, setup.cost)
+        print(format_errors(report, "every step of the trace:"))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": args.validate, **report},
+                                             indent=1, default=str))
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.validate:
+        return cmd_validate(args)
+    if args.calibrate:
+        raise ValueError("--calibrate OUT goes with --validate TRACE")
     slo = parse_slo(args.slo) if args.slo else None
     sweep_name, sweep_values = None, [None]
     if args.sweep:
@@ -291,6 +323,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    f"({', '.join(MODEL_PRESETS)}) or an HF config.json")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
     c.add_argument("--efficiency", help="with --gpu: compute=0.5,bandwidth=0.8,overhead_ms=0.5")
+    c.add_argument("--validate", metavar="TRACE",
+                   help="instead of simulating: price every step of a real engine's step trace (conveyor serve "
+                        "--step-trace) with the cost model and report the error per step shape")
+    c.add_argument("--calibrate", metavar="OUT",
+                   help="with --validate: fit a correction on half of the trace's steps (reported on the other "
+                        "half) and write the corrected profile to OUT")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="a JSONL request trace (arrival, prompt_len, output_len[, max_tokens, priority, "
                                    "prefix_group, prefix_len]) instead of the distributions below")

@@ -13,6 +13,7 @@ from conveyor.profile import profile
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import TOKEN_RANGE, run_on_engine
 from conveyor.sim.simulator import replay
+from conveyor.sim.validate import validate
 from conveyor.sim.workload import WorkloadSpec
 
 OPTIONS = dict(num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, preemption_mode="auto",
@@ -73,6 +74,12 @@ def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
     assert trace.meta["source"] == "engine" and len(trace.records) == llm.stats().steps
     assert sum(r.decode_tokens for r in trace.records) + sum(r.prefill_tokens for r in trace.records) == 43 + 2 * 4
     assert trace.records[-1].kv_usage == 0.0 and all(r.dt > 0 for r in trace.records)
+    # each step's shape, as the cost model prices it: `simulate --validate` reads these
+    assert all(r.shape["prefill_tokens"] + r.shape["decode_tokens"] == r.prefill_tokens + r.decode_tokens
+               and r.shape["num_seqs"] == r.num_seqs for r in trace.records)
+    assert sum(r.shape["num_sampled"] for r in trace.records) == 2 * 5
+    report = validate(trace, StepCostModel())
+    assert sum(b["steps"] for b in report["buckets"]) == len(trace.records)
     events = json.loads((tmp_path / "steps.chrome.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == len(trace.records)
 
