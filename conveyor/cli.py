@@ -68,13 +68,31 @@ def cmd_profile(args: argparse.Namespace) -> int:
     engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
     model = profile(engine, quick=args.quick, repeats=args.repeats)
     out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype)
-    model.save(out)
+    model.save(out)   # before the sustained run: if that fails, the profile is kept
     fit = model.meta["fit"]
     print(f"{fit['samples']} step shapes fitted within {100 * fit['mean_abs_rel_error']:.1f}% on average "
           f"(worst {100 * fit['max_abs_rel_error']:.1f}%); decode at batch 1 {1e3 * model.token_cost(1):.1f} ms, "
           f"swap {1e3 * model.swap_block:.2f} ms per block")
+    if args.sustained:
+        from conveyor.sim.validate import sustained_calibration
+
+        n = args.sustained_requests
+        model, report = sustained_calibration(engine, model, requests=n)
+        before, after = report["before"]["all"], report["after"]["all"]
+        print(f"sustained run ({n} requests, {report['fit_steps'] + report['held_out_steps']} busy steps): "
+              f"held-out steps {100 * before['error']:+.1f}% (mean |err| {100 * before['mean_abs_error']:.1f}%) "
+              f"-> corrected {100 * after['error']:+.1f}% ({100 * after['mean_abs_error']:.1f}%), "
+              f"{report['between_steps_ms']:.2f} ms between steps")
+        model.save(out)
     print(f"saved {out}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def add_profile_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +104,11 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="where to save the JSON (default: the profile cache, found by simulate and the engine)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (seconds instead of a minute)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median counts)")
+    p.add_argument("--sustained", action="store_true",
+                   help="then a sustained run of mixed traffic (at 70%% of the predicted saturation) and a "
+                        "correction fitted on its step trace (see conveyor simulate --validate)")
+    p.add_argument("--sustained-requests", type=_positive_int, default=60, metavar="N",
+                   help="requests in the sustained run (default 60)")
     add_engine_args(p, skip=("cost_model", "step_trace"))
     p.set_defaults(func=cmd_profile)
 

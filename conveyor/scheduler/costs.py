@@ -116,10 +116,12 @@ class StepCostModel:
     kv_bytes_per_token: int = 0      # of the profiled model and dtype (0: unknown); sizes a KV cache in GiB
     meta: dict = field(default_factory=dict)   # where the numbers come from: machine, model, fit quality
     # A correction fitted from a real run's step trace (``conveyor simulate --validate TRACE
-    # --calibrate OUT``, sim/validate.py): the step's time above is multiplied by a factor piecewise
-    # linear in its token count (one curve for decode-only steps, one for steps with a prefill
-    # chunk; empty: 1), and every step is followed by `between_steps` seconds of work outside the
-    # engine's step (the front end: detokenizing, queues, streaming) before the next one starts.
+    # --calibrate OUT``, ``conveyor profile --sustained``; sim/validate.py): the step's time above is
+    # multiplied by a factor piecewise linear in its token count (one curve for decode-only steps,
+    # one for steps with a prefill chunk; empty: 1), and every step is followed by `between_steps`
+    # more seconds before the next one starts (work outside the step the profile did not see: the
+    # front end's, the loop's). The simulator waits that long after each step, its tokens stamped
+    # before (sim/harness.py).
     decode_scales: list[float] = field(default_factory=list)    # per knot
     prefill_scales: list[float] = field(default_factory=list)   # per knot
     between_steps: float = 0.0
@@ -134,11 +136,10 @@ class StepCostModel:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
 
     def step_time(self, plan: SchedulerOutput) -> float:
-        """The step and the work between it and the next (what a simulated clock advances by)."""
-        return self.shape_time(StepShape.of(plan)) + self.between_steps
+        return self.shape_time(StepShape.of(plan))
 
     def shape_time(self, s: StepShape) -> float:
-        """The engine's step alone (what a step trace's `dt` measures)."""
+        """A step of this shape (without `between_steps`, which follows it)."""
         t = (self.token_cost(s.tokens) + self.decode_context * s.decode_context
              + self.prefill_attention * s.prefill_attention + self.sampled * s.num_sampled + self.seq * s.num_seqs)
         return t * self.scale(s)
@@ -157,7 +158,7 @@ class StepCostModel:
     def recompute_time_per_token(self, context: int = 256) -> float:
         """A preempted request's tokens computed again as one prefill chunk (about `context` long)."""
         s = StepShape(prefill_tokens=context, prefill_attention=context * (context + 1) / 2, num_seqs=1)
-        return (self.shape_time(s) - self.token_cost(1)) / context
+        return (self.shape_time(s) - self.token_cost(1) * self.scale(s)) / context
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

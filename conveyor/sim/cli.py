@@ -238,7 +238,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(format_errors(report["before"], f"held-out steps ({report['held_out_steps']}; fitted on "
                                               f"{report['fit_steps']}), the profile as it is:"))
         print(format_errors(report["after"], "the same steps, corrected:"))
-        print(f"between steps: {report['between_steps_ms']:.2f} ms added to every simulated step")
+        print(f"between steps: {report['between_steps_ms']:.2f} ms (the simulator waits that long after each step)")
         corrected.save(args.calibrate)
         print(f"wrote {args.calibrate} (use it with --cost-model {args.calibrate})")
     else:

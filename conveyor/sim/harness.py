@@ -68,6 +68,7 @@ class Replica:
     oracle: OracleLengths
     clock: Callable[[], float]              # the driver's view of this replica's time
     wait_until: Callable[[float], None]     # idle until then (advance a simulated clock, or sleep)
+    between_steps: float = 0.0              # simulated: time after each step before the next can start
 
 
 @dataclass(slots=True)
@@ -176,6 +177,8 @@ def _step(replica: Replica, now: float, records: list[RequestRecord]) -> None:
     plan = replica.core.last_plan
     if plan is None or not plan.scheduled:
         replica.wait_until(now + IDLE_STEP_S)
+    if replica.between_steps and plan is not None and plan.scheduled:   # the tokens are out; then the gap
+        replica.wait_until(replica.clock() + replica.between_steps)
     for u in updates:
         rec = records[int(u.request_id)]
         if u.token_id is not None:

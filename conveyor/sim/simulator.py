@@ -174,7 +174,7 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
                       CostModelExecutor(cost, clock, oracle), clock)
     if trace:
         core.tracer = StepTracer(detail=detail, meta={"source": "simulator"})
-    return Replica(core, oracle, clock, clock.wait_until)
+    return Replica(core, oracle, clock, clock.wait_until, getattr(cost, "between_steps", 0.0))
 
 
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,

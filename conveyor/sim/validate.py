@@ -1,19 +1,26 @@
 """Does the cost model fit this machine? Price a real engine's step trace with it.
 
 ``conveyor simulate --validate TRACE`` takes a step trace written by the engine (``conveyor serve
---step-trace run.json``, ``LLM(step_trace=...)``), prices every step's shape with the cost model
-(``StepCostModel.shape_time`` plus its swap copies) and reports the error per shape bucket: decode
--only steps, prefill chunks alone and mixed steps, by token count, with the buckets split at the
-model's kernel switches (the C++ GEMV's width). It also reports the time between steps (the
-front end's work while the engine had requests), which a profile of the executor alone cannot
-see. Check this before trusting a capacity plan: a profile measures short repeated bursts of
-identical steps, a server runs long mixed ones.
+--step-trace run.json``, ``LLM(step_trace=...)``) and prices every step with the cost model. What
+is compared is a step's **cycle**: from its start to the next step's start, i.e. the engine's step
+(`dt`) and the work after it before the next one (the front end: detokenizing, queues, streaming),
+measured on steps that another step followed while the engine still had requests; the model's
+cycle is ``shape_time`` (the profile folds the engine's own work outside the executor into it),
+its swap copies and ``between_steps``. Errors are reported per shape bucket: decode-only steps,
+prefill chunks alone and mixed steps, by token count, split at the C++ GEMV's width (from the
+profile's ``dispatch_thresholds``; 8 without one). Check this before trusting a capacity plan: a
+profile measures short repeated bursts of identical steps, a server runs long mixed ones.
 
-With ``--calibrate OUT`` it fits a correction from the trace and writes the corrected profile:
-a factor per knot of the step-cost curve (one curve for decode-only steps, one for steps with a
-prefill chunk; least squares on relative error; a knot with few or no steps follows its neighbours)
-and the median time between steps as a term of the model. The fit uses alternate runs of
-``RUN`` consecutive steps and is reported on the others (held out), before and after. No torch.
+With ``--calibrate OUT`` it fits a correction from the trace and writes the corrected profile: the
+median time between steps as measured (``between_steps``), and a factor per knot of the step-cost
+curve (one curve for decode-only steps, one for steps with a prefill chunk) so that the factor
+times the step plus that time gives the cycle, by least squares on relative error; a knot no step
+touches takes its neighbours' factor. (Fitting the constant jointly with the factors was tried:
+the two trade against each other where steps come in one size, and the fit put 1.65 ms "between
+steps" where 0.13 ms were measured.) The fit uses alternate runs
+of ``RUN`` consecutive steps and is reported on the others ("held out"; neighbouring runs are
+alike, so this is a check of the fit, not of other traffic: validate a second trace for that).
+No torch.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from conveyor.scheduler.costs import StepCostModel, StepShape, hat_weights
 
 RUN = 16        # held out: every other run of this many consecutive steps
 # Knots the trace barely touches: each factor is pulled towards its neighbours' (SMOOTH, in steps'
-# worth of evidence; a knot no step touches takes its neighbours' factor) and, very weakly, to 1.
+# worth of evidence; a knot no step touches takes its neighbours' factor), and a knot some steps
+# touch with less evidence than EVIDENCE steps' worth (the sum of its squared interpolation weights)
+# is pulled to 1 by the rest (a few steps far from a knot once put a factor of 2.5 on it).
 SMOOTH = 0.1
 ANCHOR = 1e-3
+EVIDENCE = 1.0
 KINDS = ("decode", "prefill", "mixed")
 
 
@@ -39,7 +49,7 @@ class TracedStep:
     index: int           # in the trace
     shape: StepShape
     swap_blocks: int
-    seconds: float       # the engine's step as measured (dt)
+    seconds: float       # its cycle: the engine's step (dt) and the time until the next step started
 
     @property
     def kind(self) -> str:
@@ -48,25 +58,37 @@ class TracedStep:
         return "mixed" if self.shape.decode_tokens else "prefill"
 
 
+def _followed(trace: StepTracer) -> dict[int, float]:
+    """Index -> seconds from the step's end to the next step's start, for steps the next one
+    followed as soon as it could: the engine still had requests after it, no idle plan between."""
+    out = {}
+    rs = trace.records
+    for i, (a, b) in enumerate(zip(rs, rs[1:])):
+        if a.running + a.waiting + a.swapped > 0 and b.step == a.step + 1:
+            out[i] = max(0.0, b.t - (a.t + a.dt))
+    return out
+
+
 def traced_steps(trace: StepTracer) -> list[TracedStep]:
-    """The trace's steps that carry their shape (failed steps left out)."""
-    steps = [TracedStep(i, StepShape(**r.shape), r.swap_blocks, r.dt)
-             for i, r in enumerate(trace.records) if r.shape is not None and not r.failed and r.dt > 0]
+    """The trace's steps with a shape and a forward pass (not failed, not only swaps) that another
+    step followed at once, as cycles."""
+    gaps = _followed(trace)
+    steps = []
+    for i, r in enumerate(trace.records):
+        if r.shape is None or r.failed or i not in gaps:
+            continue
+        shape = StepShape(**{k: v for k, v in r.shape.items() if k in StepShape.__slots__})
+        if shape.tokens:
+            steps.append(TracedStep(i, shape, r.swap_blocks, r.dt + gaps[i]))
     if not steps:
-        raise ValueError("the trace has no step shapes: record it again with this version (conveyor serve "
-                         "--step-trace, LLM(step_trace=...))")
+        raise ValueError("the trace has no busy steps with their shapes: record one with this version "
+                         "(conveyor serve --step-trace, LLM(step_trace=...)) while requests keep the engine busy")
     return steps
 
 
-def gaps_between_steps(trace: StepTracer, indices: set[int] | None = None) -> list[float]:
-    """Seconds from a step's end to the next step's start, where the engine still had requests
-    after the step (so the next one followed as soon as it could); `indices`: of those steps only."""
-    out = []
-    rs = trace.records
-    for i, (a, b) in enumerate(zip(rs, rs[1:])):
-        if a.running + a.waiting > 0 and b.step == a.step + 1 and (indices is None or i in indices):
-            out.append(max(0.0, b.t - (a.t + a.dt)))
-    return out
+def gaps_between_steps(trace: StepTracer) -> list[float]:
+    """Seconds from a step's end to the next step's start, where the next one followed at once."""
+    return list(_followed(trace).values())
 
 
 def token_buckets(cost: StepCostModel) -> list[tuple[int, int]]:
@@ -86,12 +108,13 @@ def _label(lo: int, hi: int) -> str:
 
 
 def predicted(cost: StepCostModel, step: TracedStep) -> float:
-    return cost.shape_time(step.shape) + cost.swap_time(step.swap_blocks)
+    """The model's cycle for the step: the step, its swap copies and the time between steps."""
+    return cost.shape_time(step.shape) + cost.swap_time(step.swap_blocks) + cost.between_steps
 
 
 def step_errors(steps: list[TracedStep], cost: StepCostModel) -> dict:
-    """Per bucket (kind x token range) and overall: steps, median measured and modelled ms, the
-    error of the bucket's total time (modelled / measured - 1) and the mean absolute error per step."""
+    """Per bucket (kind x token range) and overall: steps, median measured and modelled cycle (ms),
+    the error of the bucket's total time (modelled / measured - 1) and the mean absolute error per step."""
     def summary(group: list[TracedStep]) -> dict:
         real = [s.seconds for s in group]
         model = [predicted(cost, s) for s in group]
@@ -109,53 +132,66 @@ def step_errors(steps: list[TracedStep], cost: StepCostModel) -> dict:
 
 
 def validate(trace: StepTracer, cost: StepCostModel) -> dict:
-    steps = traced_steps(trace)
-    report = step_errors(steps, cost)
+    report = step_errors(traced_steps(trace), cost)
     gaps = gaps_between_steps(trace)
+    cycle = report["all"]["real_ms"] * 1e-3
     report["between_steps"] = {
         "steps": len(gaps), "median_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
-        "share_of_median_step": statistics.median(gaps) / report["all"]["real_ms"] * 1e3 if gaps else 0.0,
+        "share_of_median_cycle": statistics.median(gaps) / cycle if gaps and cycle else 0.0,
         "model_ms": 1e3 * cost.between_steps}
     return report
 
 
-def _fit_curve(cost: StepCostModel, steps: list[TracedStep]) -> list[float]:
-    """Factors per knot so that factor(tokens) * model ~ measured, least squares on relative error,
-    with a penalty on the difference between neighbouring knots' factors (SMOOTH) and a weak pull to
-    1 (ANCHOR), so that a knot no step touches takes its neighbours' factor."""
+def _fit_curve(cost: StepCostModel, steps: list[TracedStep], between: float) -> list[float]:
+    """Factors per knot so that factor(tokens) * model + `between` ~ measured cycle: least squares on
+    relative error, with a penalty on the difference between neighbouring knots' factors (SMOOTH),
+    a pull to 1 for knots few steps touch (EVIDENCE; ANCHOR for all), and a factor of 1 past
+    the trace's largest (or below its smallest) step: where the trace has little or nothing to say,
+    the profile stands."""
     n = len(cost.knots)
-    rows, target = [], []
+    rows, evidence = [], np.zeros(n)
     for s in steps:
         p = cost.shape_time(s.shape)
-        y = s.seconds - cost.swap_time(s.swap_blocks)
+        y = s.seconds - cost.swap_time(s.swap_blocks) - between
         if p <= 0 or y <= 0:
             continue
         tokens = min(max(s.shape.tokens, cost.knots[0]), cost.knots[-1])
-        rows.append([w * p / y for w in hat_weights(cost.knots, tokens)])
-        target.append(1.0)
+        h = np.array(hat_weights(cost.knots, tokens))
+        rows.append(h * p / y)
+        evidence += h ** 2
+    data = np.array(rows).reshape(-1, n)
+    anchor = np.sqrt(ANCHOR + np.where(evidence > 0, np.maximum(0.0, EVIDENCE - evidence), 0.0))
     smooth = np.sqrt(SMOOTH) * (np.eye(n - 1, n) - np.eye(n - 1, n, 1))
-    a = np.vstack([np.array(rows).reshape(-1, n), smooth, np.sqrt(ANCHOR) * np.eye(n)])
-    b = np.concatenate([np.array(target), np.zeros(n - 1), np.full(n, np.sqrt(ANCHOR))])
+    a = np.vstack([data, smooth, np.diag(anchor)])
+    b = np.concatenate([np.ones(len(rows)), np.zeros(n - 1), anchor])
     coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    touched = np.flatnonzero(np.abs(data).sum(0) > 0)
+    if len(touched):
+        coef[:touched[0]] = 1.0
+        coef[touched[-1] + 1:] = 1.0
     return np.maximum(coef, 0.05).tolist()
 
 
 def calibrate(trace: StepTracer, cost: StepCostModel, run: int = RUN) -> tuple[StepCostModel, dict]:
-    """The cost model with a correction fitted on alternate runs of `run` steps of the trace, and a
-    report of the other steps' errors before and after it."""
+    """The cost model with a correction fitted on alternate runs of `run` steps of the trace (any
+    correction it had replaced), and a report of the other steps' errors with the model as given
+    ("before") and corrected ("after")."""
     steps = traced_steps(trace)
     train = [s for s in steps if (s.index // run) % 2 == 0]
-    held_out = [s for s in steps if (s.index // run) % 2 == 1] or train
+    held_out = [s for s in steps if (s.index // run) % 2 == 1]
+    if not train or not held_out:
+        raise ValueError(f"the trace is too short to calibrate on: {len(steps)} busy steps (at least two runs "
+                         f"of {run} are needed, one to fit and one to check)")
     base = replace(cost, decode_scales=[], prefill_scales=[], between_steps=0.0)
+    gaps = _followed(trace)
+    between = statistics.median(gaps[s.index] for s in train)
     decode = [s for s in train if s.kind == "decode"]
     prefill = [s for s in train if s.kind != "decode"]
-    gaps = gaps_between_steps(trace, {s.index for s in train})
-    corrected = replace(base, decode_scales=_fit_curve(base, decode) if decode else [],
-                        prefill_scales=_fit_curve(base, prefill) if prefill else [],
-                        between_steps=statistics.median(gaps) if gaps else 0.0)
+    corrected = replace(base, decode_scales=_fit_curve(base, decode, between) if decode else [],
+                        prefill_scales=_fit_curve(base, prefill, between) if prefill else [], between_steps=between)
     report = {"fit_steps": len(train), "held_out_steps": len(held_out), "run": run,
               "between_steps_ms": 1e3 * corrected.between_steps,
-              "before": step_errors(held_out, base), "after": step_errors(held_out, corrected)}
+              "before": step_errors(held_out, cost), "after": step_errors(held_out, corrected)}
     corrected.meta = {**cost.meta, "calibration": {
         "trace": trace.meta, "fit_steps": len(train), "held_out_steps": len(held_out),
         "held_out_error_before": report["before"]["all"]["error"],
@@ -165,18 +201,41 @@ def calibrate(trace: StepTracer, cost: StepCostModel, run: int = RUN) -> tuple[S
     return corrected, report
 
 
+def sustained_calibration(engine, cost: StepCostModel, requests: int = 60, load: float = 0.7,
+                          seed: int = 11) -> tuple[StepCostModel, dict]:
+    """A short sustained run of mixed traffic on the real engine (`engine`: conveyor.engine.Engine;
+    prompts 32-256 and outputs 16-128 tokens, Poisson at `load` times the rate `cost` predicts the
+    engine saturates at) and the correction calibrated on its step trace (``conveyor profile
+    --sustained``)."""
+    from conveyor.sim.harness import run_on_engine
+    from conveyor.sim.simulator import simulate
+    from conveyor.sim.workload import WorkloadSpec
+
+    c = engine.config
+    knobs = dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
+                 num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
+    base = dict(num_requests=requests, prompt_len="32:256", output_len="16:128")
+    burst = simulate(WorkloadSpec(**base, seed=seed + 1).generate(), cost=cost, **knobs)
+    rate = load * len(burst.records) / burst.sim_time
+    _, trace = run_on_engine(engine, WorkloadSpec(**base, rate=rate, seed=seed).generate(), seed=seed)
+    corrected, report = calibrate(trace, cost)
+    corrected.meta["calibration"].update(sustained={"requests": requests, "rate": rate, "load": load})
+    return corrected, report
+
+
 def format_errors(report: dict, title: str) -> str:
-    lines = [title, f"{'steps':>14} {'tokens':>8} {'count':>6} {'real ms':>8} {'model ms':>9} {'error':>7} {'mean |err|':>10}"]
+    lines = [title, f"{'steps':>14} {'tokens':>8} {'count':>6} {'real ms':>8} {'model ms':>9} {'error':>7} {'mean |err|':>10}",
+             "(the median cycle per step: the step and the time until the next one started)"]
     for r in [*report["buckets"], {"kind": "all", "tokens": "", **report["all"]}]:
         lines.append(f"{r['kind']:>14} {r['tokens']:>8} {r['steps']:>6} {r['real_ms']:>8.2f} {r['model_ms']:>9.2f} "
                      f"{100 * r['error']:>+6.1f}% {100 * r['mean_abs_error']:>9.1f}%")
     gap = report.get("between_steps")
     if gap:
         lines.append(f"between steps (engine busy, outside its step): median {gap['median_ms']:.2f} ms over "
-                     f"{gap['steps']} gaps = {100 * gap['share_of_median_step']:.0f}% of the median step; "
-                     f"the model adds {gap['model_ms']:.2f} ms")
+                     f"{gap['steps']} gaps = {100 * gap['share_of_median_cycle']:.0f}% of the median cycle; "
+                     f"the model adds {gap['model_ms']:.2f} ms to its steps")
     return "\n".join(lines)
 
 
-__all__ = ["RUN", "TracedStep", "calibrate", "format_errors", "gaps_between_steps", "step_errors", "token_buckets",
-           "traced_steps", "validate"]
+__all__ = ["RUN", "TracedStep", "calibrate", "format_errors", "gaps_between_steps", "step_errors",
+           "sustained_calibration", "token_buckets", "traced_steps", "validate"]

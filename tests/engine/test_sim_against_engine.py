@@ -13,7 +13,7 @@ from conveyor.profile import profile
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import TOKEN_RANGE, run_on_engine
 from conveyor.sim.simulator import replay
-from conveyor.sim.validate import validate
+from conveyor.sim.validate import sustained_calibration, validate
 from conveyor.sim.workload import WorkloadSpec
 
 OPTIONS = dict(num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, preemption_mode="auto",
@@ -79,9 +79,24 @@ def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
                and r.shape["num_seqs"] == r.num_seqs for r in trace.records)
     assert sum(r.shape["num_sampled"] for r in trace.records) == 2 * 5
     report = validate(trace, StepCostModel())
-    assert sum(b["steps"] for b in report["buckets"]) == len(trace.records)
+    assert sum(b["steps"] for b in report["buckets"]) == len(trace.records) - 1   # each step the next one followed
     events = json.loads((tmp_path / "steps.chrome.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == len(trace.records)
+
+
+def test_a_sustained_run_calibrates_the_profile(make_engine):
+    """`conveyor profile --sustained`: a short run of mixed traffic through the real engine, its step
+    trace fitted against the profile (half of the busy steps) and checked on the other half."""
+    engine = make_engine(max_num_seqs=8)
+    model = profile(engine, quick=True, repeats=1, progress=False)
+    corrected, report = sustained_calibration(engine, model, requests=24)
+    cal = corrected.meta["calibration"]
+    assert cal["sustained"]["requests"] == 24 and cal["sustained"]["rate"] > 0
+    assert report["fit_steps"] >= 16 and report["held_out_steps"] >= 16
+    assert sum(b["steps"] for b in report["after"]["buckets"]) == report["held_out_steps"]
+    assert len(corrected.decode_scales) == len(corrected.knots) and corrected.between_steps >= 0
+    assert corrected.knot_costs == model.knot_costs and not model.decode_scales   # the profile itself untouched
+    assert engine.stats().num_finished >= 24 and not engine.has_unfinished_requests()
 
 
 def test_profile_measures_both_sides_of_each_kernel_switch(make_engine):

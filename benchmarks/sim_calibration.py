@@ -1,0 +1,132 @@
+"""Does a correction fitted from one real run's step trace make the simulator right on other workloads?
+
+The cost model is this machine's profile (`conveyor profile`, run first if missing). The
+calibration is what `conveyor profile --sustained` adds (`conveyor.sim.validate.
+sustained_calibration`): a short sustained run (uniform prompts 32-256 and outputs 16-128, Poisson
+at 70% of the simulated saturation rate) through the real engine with a step trace, the correction
+fitted on half of its steps and reported on the other half. Then workload families that were not
+in the fit run on the real engine and in the simulator, with the profile as it is and with the
+corrected one, each at light load (30% of the simulated saturation) and near it (80%):
+
+- uniform (the calibration's distributions, other seeds);
+- heavy-tailed outputs (lognormal, median 32, up to 400);
+- bursty arrivals (gamma, CV 3);
+- shared prefixes (4 groups, 128-token prefixes, prefix caching on);
+- long prompts (600-1500 tokens, chunked under the 1024-token budget);
+- and forced preemption (a 40-block KV cache, optimistic admission, overloaded at 150%).
+
+Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
+error), preemptions, and the step-cost error of the run's own trace under both models. Writes JSON
+and a line in docs/benchmarks.md.
+
+    python benchmarks/sim_calibration.py [--requests 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+
+from common import save
+from conveyor.config import EngineConfig
+from conveyor.engine.engine import Engine
+from conveyor.paths import profile_path
+from conveyor.profile import profile
+from conveyor.sim.cost import StepCostModel
+from conveyor.sim.harness import run_on_engine
+from conveyor.sim.simulator import SimResult, simulate
+from conveyor.sim.validate import sustained_calibration, validate
+from conveyor.sim.workload import WorkloadSpec
+
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
+
+
+def sim_config(engine: Engine) -> dict:
+    c = engine.config
+    return dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
+                num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
+
+
+def real_run(engine: Engine, spec: WorkloadSpec) -> tuple[SimResult, object, float]:
+    workload = spec.generate()
+    t = time.perf_counter()
+    records, trace = run_on_engine(engine, workload, seed=spec.seed)
+    return SimResult(records, engine.stats(), [trace], block_size=engine.config.block_size), trace, \
+        time.perf_counter() - t
+
+
+def errors(engine: Engine, spec: WorkloadSpec, real: SimResult, cost: StepCostModel) -> dict:
+    sim = simulate(spec.generate(), cost=cost, seed=spec.seed, **sim_config(engine))
+    return {**{m: sim.metric(m) / real.metric(m) - 1 for m in METRICS}, "preemptions": sim.stats.num_preemptions}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=60)
+    args = ap.parse_args()
+    engine = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none"))
+    path = profile_path(engine.model_name, engine.dtype)
+    if path.is_file():   # the profile as measured: a correction saved by `profile --sustained` taken off
+        cost = replace(StepCostModel.load(path), decode_scales=[], prefill_scales=[], between_steps=0.0)
+    else:
+        cost = profile(engine)
+        cost.save(path)
+    print(f"cost model: {path}", flush=True)
+    n = args.requests
+    base = dict(num_requests=n, prompt_len="32:256", output_len="16:128")
+    burst = simulate(WorkloadSpec(**base, seed=100).generate(), cost=cost, **sim_config(engine))
+    saturation = len(burst.records) / burst.sim_time
+    print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
+
+    t = time.perf_counter()
+    corrected, fit_report = sustained_calibration(engine, cost, requests=n)
+    wall = time.perf_counter() - t
+    print(f"calibration run: {fit_report['fit_steps'] + fit_report['held_out_steps']} steps in {wall:.0f} s; "
+          f"held-out step error "
+          f"{100 * fit_report['before']['all']['error']:+.1f}% -> {100 * fit_report['after']['all']['error']:+.1f}% "
+          f"(mean |err| {100 * fit_report['before']['all']['mean_abs_error']:.1f}% -> "
+          f"{100 * fit_report['after']['all']['mean_abs_error']:.1f}%), between steps "
+          f"{fit_report['between_steps_ms']:.2f} ms", flush=True)
+
+    shapes = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32:1.0:400"),
+              "bursty (gamma CV 3)": dict(arrival="gamma:3"), "shared prefixes": dict(prefix_groups=4, prefix_len=128),
+              "long prompts": dict(prompt_len="600:1500")}
+    runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * saturation})
+            for name, knobs in shapes.items() for load in (0.3, 0.8)]
+    small = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
+                                             num_kv_blocks=40, admission_policy="optimistic", min_resident_steps=2),
+                   loaded=engine.loaded)
+    runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}))
+    rows = []
+    for seed, (name, eng, knobs) in enumerate(runs, start=21):
+        spec = WorkloadSpec(**{**base, **knobs, "seed": seed})
+        preempted = eng.stats().num_preemptions
+        real, trace, wall = real_run(eng, spec)
+        row = {"family": name, "rate": spec.rate, "wall_s": wall,
+               "real": {**{m: real.metric(m) for m in METRICS}, "preemptions": eng.stats().num_preemptions - preempted},
+               "profile": errors(eng, spec, real, cost), "corrected": errors(eng, spec, real, corrected),
+               "step_error_profile": validate(trace, cost)["all"], "step_error_corrected": validate(trace, corrected)["all"]}
+        rows.append(row)
+        print(name, {k: {m: round(v, 3) for m, v in row[k].items()} for k in ("profile", "corrected")},
+              "step error", round(row["step_error_profile"]["error"], 3), "->", round(row["step_error_corrected"]["error"], 3),
+              flush=True)
+
+    def pct(x: float) -> str:
+        return f"{100 * x:+.0f}%"
+
+    line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])}, "
+                     f"TPOT p50 {pct(r['profile']['tpot_p50'])} -> {pct(r['corrected']['tpot_p50'])}" for r in rows)
+    save("sim_calibration", {"cost_model": str(path), "saturation_req_s": saturation, "workload": base,
+                             "calibration": fit_report,
+                             "correction": {"meta": corrected.meta["calibration"],
+                                            "knots": corrected.knots, "decode_scales": corrected.decode_scales,
+                                            "prefill_scales": corrected.prefill_scales,
+                                            "between_steps_s": corrected.between_steps},
+                             "families": rows},
+         "simulator error, profile -> profile + trace correction (fitted on a uniform run at 70%): " + line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
