@@ -347,6 +347,8 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     template = config.get("chat_template")
+    if template is None and (path / "chat_template.json").is_file():   # a multimodal processor's (Gemma 3 4B+)
+        template = json.loads((path / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
     if isinstance(template, list):  # named templates
         template = {t["name"]: t["template"] for t in template}.get("default")
     return template

@@ -229,6 +229,18 @@ def test_named_chat_templates(hf, tmp_path):
     assert Tokenizer.from_hf_dir(tmp_path).chat_template == "D"
 
 
+def test_a_processors_chat_template_json(hf, tmp_path):
+    """Multimodal checkpoints (Gemma 3 4B+) may keep the template in chat_template.json only."""
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template is None
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert Tokenizer.from_hf_dir(tmp_path).chat_template == "P"
+
+
 # ---- incremental detokenization ----
 
 DETOK_TEXTS = [

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # model_type / architectures accepted; all share one decoder with a few switches.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -73,6 +73,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type == "gemma3":   # Gemma3ForConditionalGeneration (4B and up): its text model, no vision
+            top = {"tie_word_embeddings": cfg.get("tie_word_embeddings", True), "eos_token_id": cfg.get("eos_token_id"),
+                   "bos_token_id": cfg.get("bos_token_id")}
+            text = {k: v for k, v in (cfg.get("text_config") or {}).items() if v is not None}
+            return cls._from_gemma3({**{k: v for k, v in top.items() if v is not None}, **text})
         if model_type == "gemma3_text":
             return cls._from_gemma3(cfg)
         if model_type not in SUPPORTED_MODEL_TYPES:

@@ -71,7 +71,29 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
             weights.update(load_file(str(directory / name)))
         except Exception as e:
             raise UnsupportedModelError(f"corrupt or unreadable weights file {directory / name}: {e}") from e
-    return weights
+    return text_model_weights(weights)
+
+
+# A multimodal checkpoint (Gemma3ForConditionalGeneration, 4B and up): its text model under these
+# prefixes (transformers' saved names, older and newer) becomes a causal LM's; the vision tower and
+# projector are not served (the config is its text_config, ModelConfig.from_hf).
+_MULTIMODAL_TEXT = (("model.language_model.", "model."), ("language_model.", ""))
+_MULTIMODAL_SKIP = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_model_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not any(k.startswith(("language_model.", "model.language_model.")) for k in weights):
+        return weights
+    out = {}
+    for name, t in weights.items():
+        if name.startswith(_MULTIMODAL_SKIP):
+            continue
+        for prefix, new in _MULTIMODAL_TEXT:
+            if name.startswith(prefix):
+                name = new + name[len(prefix):]
+                break
+        out[name] = t
+    return out
 
 
 def read_config(directory: Path) -> ModelConfig:

@@ -105,3 +105,40 @@ def test_gemma3_quantized_as_stored_agrees(gemma):
     kl = (p.exp() * (p - q)).sum(-1)
     print(f"gemma3 as stored ({native}): {agree}/{len(text)} agree; KL mean {kl.mean():.2e}, max {kl.max():.2e}")
     assert agree >= 0.99 * len(text) and kl.mean() < 1e-3
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tiny_models, tmp_path):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration checkpoints: config under text_config,
+    the text model's weights under language_model.*, a vision tower beside them. Conveyor serves the
+    text model: the same logits as transformers' multimodal model on text, and as the text-only
+    checkpoint with the same weights; the vision weights are not loaded."""
+    from safetensors import safe_open
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from conveyor.model.loader import build_model, load_weights, read_config
+    from model_testlib import random_prompts
+
+    text = tiny_models("gemma3")
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text.hf.config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       image_token_index=250, boi_token_index=251, eoi_token_index=252)
+    mm = Gemma3ForConditionalGeneration(cfg).float().eval()
+    mm.model.language_model.load_state_dict(text.hf.model.state_dict())
+    mm.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any("vision" in n for n in names) and not any(n.startswith("model.layers") for n in names)
+    ours = read_config(tmp_path)
+    assert (ours.model_type, ours.layer_types, ours.sliding_window) == ("gemma3_text", text.cfg.layer_types, 8)
+    weights = load_weights(tmp_path)
+    assert not any("vision" in n or "projector" in n for n in weights)
+    model = build_model(ours, weights)
+    prompts = [[t % 250 for t in p] for p in random_prompts([5, 30], seed=4)]   # no image-marker tokens
+    for got, want in zip(conveyor_prompt_logits(model, prompts, chunk=16),
+                         conveyor_prompt_logits(text.model, prompts, chunk=16)):
+        assert torch.equal(got, want)
+    with torch.inference_mode():   # and transformers' multimodal model itself, on text
+        hf_logits = mm(input_ids=torch.tensor([prompts[1]])).logits[0].float()
+    got = conveyor_prompt_logits(model, [prompts[1]], chunk=16)[0]
+    torch.testing.assert_close(got, hf_logits[-got.shape[0]:], rtol=0, atol=logit_atol(hf_logits))
