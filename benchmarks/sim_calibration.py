@@ -36,17 +36,11 @@ from conveyor.paths import profile_path
 from conveyor.profile import profile
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import run_on_engine
-from conveyor.sim.simulator import SimResult, simulate
+from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, simulate
 from conveyor.sim.validate import sustained_calibration, validate
 from conveyor.sim.workload import WorkloadSpec
 
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
-
-
-def sim_config(engine: Engine) -> dict:
-    c = engine.config
-    return dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
-                num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
 
 
 def real_run(engine: Engine, spec: WorkloadSpec) -> tuple[SimResult, object, float]:
@@ -58,7 +52,7 @@ def real_run(engine: Engine, spec: WorkloadSpec) -> tuple[SimResult, object, flo
 
 
 def errors(engine: Engine, spec: WorkloadSpec, real: SimResult, cost: StepCostModel) -> dict:
-    sim = simulate(spec.generate(), cost=cost, seed=spec.seed, **sim_config(engine))
+    sim = simulate(spec.generate(), cost=cost, seed=spec.seed, **engine_knobs(engine))
     return {**{m: sim.metric(m) / real.metric(m) - 1 for m in METRICS}, "preemptions": sim.stats.num_preemptions}
 
 
@@ -76,8 +70,7 @@ def main() -> None:
     print(f"cost model: {path}", flush=True)
     n = args.requests
     base = dict(num_requests=n, prompt_len="32:256", output_len="16:128")
-    burst = simulate(WorkloadSpec(**base, seed=100).generate(), cost=cost, **sim_config(engine))
-    saturation = len(burst.records) / burst.sim_time
+    saturation = saturation_rate(WorkloadSpec(**base, seed=100).generate(), cost, **engine_knobs(engine))
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
     t = time.perf_counter()

@@ -30,16 +30,10 @@ from conveyor.plot import plot_traces
 from conveyor.profile import profile
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import run_on_engine
-from conveyor.sim.simulator import SimResult, simulate
+from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, simulate
 from conveyor.sim.workload import WorkloadSpec
 
 BARS = {"output_tok_s": 0.10, "p50_ttft_s": 0.15, "p50_tpot_s": 0.15, "num_preemptions": 0.20}
-
-
-def sim_config(engine: Engine):
-    c = engine.config
-    return dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
-                num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
 
 
 def rel_error(sim: float, real: float) -> float:
@@ -54,7 +48,7 @@ def compare(engine: Engine, cost: StepCostModel, spec: WorkloadSpec) -> dict:
     wall = time.perf_counter() - t
     stats = engine.stats()
     real = SimResult(records, stats, [trace], block_size=engine.config.block_size)
-    sim = simulate(workload, cost=cost, trace=True, seed=spec.seed, **sim_config(engine))
+    sim = simulate(workload, cost=cost, trace=True, seed=spec.seed, **engine_knobs(engine))
     r, s = real.summary(), sim.summary()
     r["num_preemptions"] = stats.num_preemptions - preempted   # the engine's counters are cumulative
     row = {"rate": spec.rate, "requests": len(workload), "wall_s": wall}
@@ -79,8 +73,7 @@ def main() -> None:
         cost.save(path)
     print(f"cost model: {path}", flush=True)
     spec = dict(num_requests=n, prompt_len="32:256", output_len="16:128")
-    burst = simulate(WorkloadSpec(**spec, seed=100).generate(), cost=cost, **sim_config(engine))
-    saturation = len(burst.records) / burst.sim_time
+    saturation = saturation_rate(WorkloadSpec(**spec, seed=100).generate(), cost, **engine_knobs(engine))
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
     levels = [("light", engine, 0.3, 1), ("near saturation", engine, 0.9, 2), ("overloaded", engine, 1.5, 3)]
     small = Engine(EngineConfig.from_options(**{**base, "num_kv_blocks": 40, "admission_policy": "optimistic",

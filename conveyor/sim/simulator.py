@@ -196,6 +196,20 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
     return SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps, block_size)
 
 
+def engine_knobs(engine) -> dict:
+    """simulate()'s KV cache and scheduler arguments for a real engine (conveyor.engine.Engine):
+    to simulate exactly what it runs."""
+    c = engine.config
+    return dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
+                num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
+
+
+def saturation_rate(workload: list[SimRequest], cost: CostModel, **knobs) -> float:
+    """Requests per second the simulated engine completes with the whole workload arriving at once."""
+    burst = simulate(workload, cost=cost, **knobs)
+    return len(burst.records) / burst.sim_time
+
+
 class ReplayClock:
     """The clock reads a real run made, returned in the same order (see replay())."""
 

@@ -50,6 +50,7 @@ class TracedStep:
     shape: StepShape
     swap_blocks: int
     seconds: float       # its cycle: the engine's step (dt) and the time until the next step started
+    gap: float           # of which the time until the next step started
 
     @property
     def kind(self) -> str:
@@ -79,7 +80,7 @@ def traced_steps(trace: StepTracer) -> list[TracedStep]:
             continue
         shape = StepShape(**{k: v for k, v in r.shape.items() if k in StepShape.__slots__})
         if shape.tokens:
-            steps.append(TracedStep(i, shape, r.swap_blocks, r.dt + gaps[i]))
+            steps.append(TracedStep(i, shape, r.swap_blocks, r.dt + gaps[i], gaps[i]))
     if not steps:
         raise ValueError("the trace has no busy steps with their shapes: record one with this version "
                          "(conveyor serve --step-trace, LLM(step_trace=...)) while requests keep the engine busy")
@@ -183,8 +184,7 @@ def calibrate(trace: StepTracer, cost: StepCostModel, run: int = RUN) -> tuple[S
         raise ValueError(f"the trace is too short to calibrate on: {len(steps)} busy steps (at least two runs "
                          f"of {run} are needed, one to fit and one to check)")
     base = replace(cost, decode_scales=[], prefill_scales=[], between_steps=0.0)
-    gaps = _followed(trace)
-    between = statistics.median(gaps[s.index] for s in train)
+    between = statistics.median(s.gap for s in train)
     decode = [s for s in train if s.kind == "decode"]
     prefill = [s for s in train if s.kind != "decode"]
     corrected = replace(base, decode_scales=_fit_curve(base, decode, between) if decode else [],
@@ -208,15 +208,11 @@ def sustained_calibration(engine, cost: StepCostModel, requests: int = 60, load:
     engine saturates at) and the correction calibrated on its step trace (``conveyor profile
     --sustained``)."""
     from conveyor.sim.harness import run_on_engine
-    from conveyor.sim.simulator import simulate
+    from conveyor.sim.simulator import engine_knobs, saturation_rate
     from conveyor.sim.workload import WorkloadSpec
 
-    c = engine.config
-    knobs = dict(config=c.scheduler, num_blocks=engine.kv.num_blocks, block_size=c.block_size,
-                 num_host_blocks=engine.kv.num_host_blocks, prefix_caching=c.enable_prefix_caching)
     base = dict(num_requests=requests, prompt_len="32:256", output_len="16:128")
-    burst = simulate(WorkloadSpec(**base, seed=seed + 1).generate(), cost=cost, **knobs)
-    rate = load * len(burst.records) / burst.sim_time
+    rate = load * saturation_rate(WorkloadSpec(**base, seed=seed + 1).generate(), cost, **engine_knobs(engine))
     _, trace = run_on_engine(engine, WorkloadSpec(**base, rate=rate, seed=seed).generate(), seed=seed)
     corrected, report = calibrate(trace, cost)
     corrected.meta["calibration"].update(sustained={"requests": requests, "rate": rate, "load": load})
