@@ -18,6 +18,7 @@ from conveyor.scheduler.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "weight-only", "none")   # as conveyor.model.quant.QUANTIZATIONS (no torch here)
+TP_BACKENDS = ("mp", "ray")
 
 
 @dataclass(slots=True)
@@ -60,6 +61,11 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "ranks that each hold a slice of every layer (Megatron-style, over torch.distributed: gloo on CPU, "
            "NCCL on CUDA); spawned on this machine, or joined under torchrun")
+    distributed_executor_backend: str = option(
+        "mp", "how tensor-parallel ranks 1..N-1 start: 'mp' spawns them on this machine; 'ray' places them as Ray "
+              "actors in a placement group (the engine's own when it runs inside one, e.g. a Ray Serve replica, "
+              "else a new PACK group; they may span nodes; rank 0's node address is the master; torch_threads "
+              "is then per rank). Under torchrun the group is torchrun's", choices=TP_BACKENDS)
     kv_events_endpoint: str | None = option(
         None, "publish KV cache events in vLLM's wire format (ZMQ PUB + msgpack) for prefix-aware routers "
               "(llm-d, Dynamo): tcp://*:5557 binds, tcp://HOST:PORT connects to a subscriber that binds; "
@@ -84,6 +90,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        check_choice("distributed_executor_backend", self.distributed_executor_backend, TP_BACKENDS)
         if self.max_consecutive_step_failures < 1:
             raise ValueError("max_consecutive_step_failures must be >= 1")
         if self.kv_events_buffer_steps < 1 or self.kv_events_hwm < 1:

@@ -50,7 +50,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "profile": ("engine", "model", "sampling", "scheduler"),
     "server": ("config", "engine", "engine.core", "errors", "parallel", "request", "sampling", "scheduler",
                "tokenizer"),
-    "ray": ("config", "engine", "engine.core", "model", "routing", "sampling", "scheduler", "server"),
+    "ray": ("config", "engine", "engine.core", "kv", "model", "routing", "sampling", "scheduler", "server"),
     "bench": (),
     "cli": ("bench", "config", "engine", "paths", "plot", "profile", "ray", "sampling", "server", "sim"),
     "__main__": ("cli",),

@@ -107,8 +107,11 @@ class EngineBackend:
         # A GGUF is converted here, once, before the ranks load it.
         cfg = read_config(model_directory(resolve_model_path(config.model)))
         num_blocks, num_host = kv_cache_blocks(config, cfg, dtype, KVLayout.from_config(cfg, config.hybrid_kv_cache))
-        threads = max(1, (config.torch_threads or os.cpu_count() or 1) // world)
-        group = start_group(world, config.device)
+        if config.distributed_executor_backend == "ray":   # each rank has its own bundle of CPUs
+            threads = max(1, config.torch_threads or 1)
+        else:
+            threads = max(1, (config.torch_threads or os.cpu_count() or 1) // world)
+        group = start_group(world, config.device, config.distributed_executor_backend, threads)
         torch.set_num_threads(threads)
         group.broadcast(WorkerSetup(config, str(dtype).removeprefix("torch."), num_blocks, num_host, threads))
         try:

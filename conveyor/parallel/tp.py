@@ -16,9 +16,11 @@ the price is one gather of ``[rows, vocab]`` logits per step. Each rank holds it
 of every KV block; the block tables are the driver's scheduler's, and every rank rebuilds the
 same ones from the plans' deltas (new requests in full, then only new block ids: runner/state.py).
 
-Launch: ``start_group`` spawns ranks 1..N-1 on this machine (a free TCP port on 127.0.0.1), or,
-under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), joins the group that
-torchrun's other processes join with ``run_worker_from_env``.
+Launch: ``start_group`` spawns ranks 1..N-1 on this machine (a free TCP port on 127.0.0.1); or,
+with the ``ray`` backend, places them as Ray actors in a placement group, one bundle each, possibly
+on other nodes (rank 0's node address and a free port as the rendezvous); or, under ``torchrun``
+(RANK / WORLD_SIZE / MASTER_ADDR in the environment), joins the group that torchrun's other
+processes join with ``run_worker_from_env``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class TPGroup:
         self.rank = shard_rank
         self.world = world
         self.vocab_size = 0        # set by the model that uses it (the gather trims the padding)
-        self.processes: list[Any] = []
+        self.processes: list[Any] = []   # ranks started here: spawned processes or Ray actors
+        self.on_close: list[Any] = []     # what else to release at close (a placement group)
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum the ranks' partial outputs in place."""
@@ -82,6 +85,8 @@ class TPGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
+        while self.on_close:
+            self.on_close.pop()()
 
 
 # ---- launching -------------------------------------------------------------------------------
@@ -100,8 +105,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_group(world: int, device: str) -> TPGroup:
-    """Rank 0's side: spawn ranks 1..world-1 here (or join torchrun's group) and connect."""
+def start_group(world: int, device: str, backend: str = "mp", cpus_per_rank: int = 1) -> TPGroup:
+    """Rank 0's side: start ranks 1..world-1 (spawned here, or Ray actors with `backend` "ray", each
+    in a bundle of `cpus_per_rank` CPUs) or join torchrun's group, and connect."""
     if launched_by_torchrun():
         env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if env_world != world or rank != 0:
@@ -109,6 +115,8 @@ def start_group(world: int, device: str) -> TPGroup:
                              f"ranks; got RANK={rank}, WORLD_SIZE={env_world}, tensor_parallel_size={world}")
         dist.init_process_group(_backend(device), init_method="env://", rank=0, world_size=world, timeout=_TIMEOUT)
         return TPGroup(0, world)
+    if backend == "ray":
+        return _start_ray_group(world, device, cpus_per_rank)
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")   # torch's thread pools do not survive a fork
     procs = [ctx.Process(target=_spawned_worker,
@@ -124,6 +132,97 @@ def start_group(world: int, device: str) -> TPGroup:
         raise
     group = TPGroup(0, world)
     group.processes = procs
+    return group
+
+
+class _RayRank:
+    """A rank > 0 as a Ray actor: ``run`` joins the group and serves steps until the driver stops."""
+
+    def run(self, rank: int, world: int, init_method: str, device: str, log_level: int) -> None:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
+        os.environ["LOCAL_RANK"] = "0"   # Ray gives this actor its bundle's GPU only, as device 0
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=world,
+                                timeout=_TIMEOUT)
+        _serve_steps(TPGroup(rank, world))
+
+
+class _RayRankProcess:
+    """A Ray-placed rank seen through the three calls TPGroup makes on a spawned process."""
+
+    def __init__(self, actor: Any, done: Any):
+        self.actor, self.done = actor, done
+
+    def join(self, timeout: float | None = None) -> None:
+        import ray
+
+        ray.wait([self.done], timeout=timeout)
+
+    def is_alive(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.done], timeout=0)
+        return not ready
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
+    """Ranks 1..world-1 as Ray actors, one placement-group bundle each. Inside a placement group
+    whose bundle 0 is this process's (a Ray Serve replica from ``get_deployment_options``), bundles
+    1..world-1 of it; otherwise a new PACK group of world-1 bundles (removed at close). The
+    rendezvous is this node's address and a free port: no master address to type."""
+    import ray
+    from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+    gpu = torch.device(device).type == "cuda"
+    pg, owned, first = get_current_placement_group(), None, 1
+    if pg is None or len(pg.bundle_specs) < world:
+        bundle = {"CPU": float(cpus), **({"GPU": 1.0} if gpu else {})}
+        pg = owned = placement_group([dict(bundle) for _ in range(world - 1)], strategy="PACK")
+        first = 0
+        try:
+            ray.get(pg.ready(), timeout=600)
+        except BaseException:
+            remove_placement_group(pg)
+            raise RuntimeError(f"Ray could not place {world - 1} tensor-parallel rank(s) of {bundle} within 600 s: "
+                               "not enough resources in the cluster") from None
+    specs = pg.bundle_specs
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        init = f"tcp://{ip}:{s.getsockname()[1]}"
+    actor_cls = ray.remote(_RayRank)
+    ranks = []
+    for rank in range(1, world):
+        index = first + rank - 1
+        spec = specs[index]
+        actor = actor_cls.options(
+            num_cpus=spec.get("CPU", 0.0), num_gpus=spec.get("GPU", 0.0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)).remote()
+        done = actor.run.remote(rank, world, init, device, logging.getLogger().getEffectiveLevel())
+        ranks.append(_RayRankProcess(actor, done))
+    logger.info("tensor-parallel ranks 1..%d placed by Ray (placement group %s, bundles %d..%d); rendezvous %s",
+                world - 1, pg.id.hex(), first, first + world - 2, init)
+    try:
+        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world, timeout=_TIMEOUT)
+    except BaseException:
+        for r in ranks:
+            r.kill()
+        if owned is not None:
+            remove_placement_group(owned)
+        raise
+    group = TPGroup(0, world)
+    group.processes = ranks
+    if owned is not None:
+        group.on_close.append(lambda: remove_placement_group(owned))
     return group
 
 

@@ -54,8 +54,10 @@ def get_deployment_options(config: EngineConfig, *, num_replicas: int | str | No
                            max_ongoing_requests: int | None = None) -> dict[str, Any]:
     """Serve deployment options for the engine replicas of `config`: one placement bundle per
     replica, ``{"CPU": k}`` on CPU and ``{"GPU": 1, "CPU": k}`` on CUDA (k: `num_cpus`, else the
-    config's torch threads, else 1); with tensor parallelism, one such bundle per rank, packed on one
-    node (the ranks are the engine's own processes). `autoscaling_config` replaces `num_replicas`."""
+    config's torch threads, else 1); with tensor parallelism, one such bundle per rank: with
+    ``distributed_executor_backend="ray"`` the replica (rank 0) runs in bundle 0 and places ranks
+    1..N-1 in the others as Ray actors, PACK (on other nodes when one has no room); with "mp" they are
+    the replica's own processes, STRICT_PACK on its node. `autoscaling_config` replaces `num_replicas`."""
     tp = config.tensor_parallel_size
     cpus = float(num_cpus if num_cpus is not None else (config.torch_threads or 1))
     bundle: dict[str, float] = {"CPU": cpus}
@@ -63,7 +65,7 @@ def get_deployment_options(config: EngineConfig, *, num_replicas: int | str | No
         bundle = {"GPU": 1.0, "CPU": cpus}
     opts: dict[str, Any] = {
         "placement_group_bundles": [dict(bundle) for _ in range(tp)],
-        "placement_group_strategy": "STRICT_PACK",
+        "placement_group_strategy": "PACK" if config.distributed_executor_backend == "ray" else "STRICT_PACK",
         # the replica actor itself runs in the first bundle
         "ray_actor_options": {"num_cpus": cpus, **({"num_gpus": 1.0} if "GPU" in bundle else {})},
         "max_ongoing_requests": max_ongoing_requests or max(64, 2 * config.scheduler.max_num_seqs),
@@ -86,6 +88,16 @@ class EngineReplica:
                  chat_template: str | None = None):
         from ray import serve
 
+        context = serve.get_replica_context()
+        self.tag = context.replica_id.unique_id
+        rank = getattr(context, "rank", None)   # Serve's replica rank (recent Serve): 0..N-1, kept by a replacement
+        self.rank = int(getattr(rank, "rank", rank) or 0)
+        # The replica's rank is its data-parallel rank: KV events on endpoint port + rank, with dp_rank = rank.
+        config = replace(config, data_parallel_rank=self.rank)
+        if engine_process and config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
+            # Ray-placed ranks use this actor's placement group, which a child process is not in
+            logger.info("tensor-parallel ranks placed by Ray: the engine runs in the replica's own process")
+            engine_process = False
         if engine_process:
             from conveyor.engine.process_engine import ProcessEngine
 
@@ -97,7 +109,8 @@ class EngineReplica:
         if chat_template:
             self.engine.tokenizer.chat_template = chat_template
         self.config = config
-        self.tag = serve.get_replica_context().replica_id.unique_id
+        if self.engine_kv_events() is not None:
+            logger.info("engine replica %s (rank %d): KV events on %s", self.tag, self.rank, self.engine_kv_events())
 
     def info(self) -> dict:
         """What a front end needs to tokenize and validate for this engine."""
@@ -124,6 +137,19 @@ class EngineReplica:
         finally:   # cancelled by the caller (client gone, abort): free the KV blocks now
             if not stream.finished:
                 self.engine.abort(request_id)
+
+    def engine_kv_events(self) -> dict | None:
+        """Where this replica publishes KV events (None: off): its dp_rank, its node's address and
+        the endpoints it bound (the configured ports + its rank), for a subscriber to connect to."""
+        from conveyor.kv.events import offset_endpoint
+
+        if not self.config.kv_events_endpoint:
+            return None
+        import ray
+
+        return {"dp_rank": self.rank, "node_ip": ray.util.get_node_ip_address(),
+                "endpoint": offset_endpoint(self.config.kv_events_endpoint, self.rank),
+                "replay_endpoint": offset_endpoint(self.config.kv_events_replay_endpoint, self.rank)}
 
     def stats(self) -> tuple[str, EngineStats]:
         return self.tag, self.engine.stats()
@@ -377,9 +403,24 @@ def _prefix_router_class():
                 held.pop(0)
             super().on_send_request(replica_id)
 
-        def decrement_queue_len_cache(self, replica_id) -> None:
-            self._inflight[replica_id] = max(0, self._inflight.get(replica_id, 0) - 1)
-            super().decrement_queue_len_cache(replica_id)
+        # A request is counted from its send until Serve reports it completed. Serve (2.60) calls
+        # on_request_completed once for every request it sent, accepted or rejected by a replica at
+        # its strict max_ongoing_requests (a rejected call is cancelled, which completes it), while
+        # decrement_queue_len_cache fires for accepted ones only: counting down there left every
+        # rejection counted forever, and prefix routing leaned away from that replica. Older Serve
+        # without on_request_completed: decrement_queue_len_cache, the best it offers.
+        if hasattr(RequestRouter, "on_request_completed"):
+            def on_request_completed(self, replica_id, internal_request_id) -> None:
+                self._uncount(replica_id)
+                super().on_request_completed(replica_id, internal_request_id)
+        else:   # pragma: no cover - Ray < 2.5x
+            def decrement_queue_len_cache(self, replica_id) -> None:
+                self._uncount(replica_id)
+                super().decrement_queue_len_cache(replica_id)
+
+        def _uncount(self, replica_id) -> None:
+            if self._inflight.get(replica_id):
+                self._inflight[replica_id] -= 1
 
         def on_replica_actor_died(self, replica_id) -> None:
             self._inflight.pop(replica_id, None)
@@ -412,10 +453,12 @@ def build_application(config: EngineConfig, *, num_replicas: int | str | None = 
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    if config.torch_threads is None:   # each replica uses the CPUs of its bundle, not every core of its node
-        config = replace(config, torch_threads=max(1, int(num_cpus or 1)))
     opts = get_deployment_options(config, num_replicas=num_replicas, autoscaling_config=autoscaling_config,
                                   num_cpus=num_cpus)
+    if config.torch_threads is None:   # each rank uses the CPUs of its bundle, not every core of its node
+        per_rank = max(1, int(opts["placement_group_bundles"][0]["CPU"]))
+        spawned = config.distributed_executor_backend == "mp"   # spawned ranks split the replica's threads
+        config = replace(config, torch_threads=per_rank * (config.tensor_parallel_size if spawned else 1))
     opts["request_router_config"] = RequestRouterConfig(
         request_router_class=f"{__name__}:PrefixRouter",
         request_router_kwargs={"policy": router, "block_size": config.block_size, "balance_slack": balance_slack})
@@ -447,10 +490,6 @@ def run(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, name
     """Start (or connect to, with RAY_ADDRESS) Ray, start Serve's HTTP proxy on host:port and deploy."""
     import ray
     from ray import serve
-
-    if config.kv_events_endpoint:   # every replica would get the same endpoint and dp_rank 0
-        raise ValueError("KV events (--kv-events-endpoint) are not supported with --ray yet: the replicas "
-                         "would share one endpoint; use the built-in --data-parallel-size server")
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True)

@@ -56,12 +56,33 @@ def local_server():
     handle.stop()
 
 
+def _free_ports(n: int) -> int:
+    """A base port with base..base+n-1 all free (KV events: each replica binds the configured port + its rank)."""
+    while True:
+        base = _free_port()
+        try:
+            for k in range(1, n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+
+
+KV_EVENTS = _free_ports(4)   # publishers at +0, +1 (replica ranks 0, 1); replay sockets at +2, +3
+
+
 @pytest.fixture(scope="module")
 def ray_serve():
+    from dataclasses import replace
+
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from conveyor.ray.serve import build_application
+
+    config = replace(CONFIG, kv_events_endpoint=f"tcp://127.0.0.1:{KV_EVENTS}",
+                     kv_events_replay_endpoint=f"tcp://127.0.0.1:{KV_EVENTS + 2}")
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
@@ -69,7 +90,7 @@ def ray_serve():
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_application(CONFIG, num_replicas=2, num_cpus=1), name="conveyor", route_prefix="/")
+        serve.run(build_application(config, num_replicas=2, num_cpus=1), name="conveyor", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -126,6 +147,54 @@ def test_shared_prefix_lands_on_one_replica(ray_serve):
     gained = {r: after[r] - before.get(r, 0.0) for r in after}
     assert sorted(gained.values())[-1] >= 4 * 4, gained   # the 4 later requests hit >= 4 blocks each
     assert sum(v > 0 for v in gained.values()) == 1, gained   # all on one replica
+
+
+def _replayed(port: int) -> list[tuple[int, list]]:
+    """Every KV-event batch a replica still holds, from its replay socket: (dp_rank, events); the
+    wire format read with plain zmq + msgpack (docs/scale-out.md, "Wire format")."""
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        out = []
+        while True:
+            assert sock.poll(20_000), f"the replay socket on {port} did not answer"
+            _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return out
+            _ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+            out.append((dp_rank, events))
+    finally:
+        sock.close(0)
+
+
+def test_each_replica_publishes_kv_events_as_its_own_dp_rank(ray_serve):
+    client = _client(ray_serve)
+    model = client.models.list().data[0].id
+    prompt = "Kv events under Ray: " + " ".join(f"item{i}" for i in range(40))
+    ids = httpx.post(f"{ray_serve}/tokenize", json={"model": model, "prompt": prompt}, timeout=30).json()["tokens"]
+    full = len(ids) // 16
+    assert full >= 2
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 60
+    while True:   # the step that stored the blocks publishes them as it ends: poll the replay sockets
+        found = {}
+        for rank in (0, 1):
+            batches = _replayed(KV_EVENTS + 2 + rank)
+            assert {r for r, _ in batches} <= {rank}, "a replica published under another dp_rank"
+            stored = {tuple(e[3][j:j + 16]) for _, events in batches for e in events if e[0] == "BlockStored"
+                      for j in range(0, len(e[3]), 16)}   # an event may carry several blocks
+            found[rank] = [tuple(ids[16 * b:16 * (b + 1)]) in stored for b in range(full)]
+        if any(all(f) for f in found.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # the prompt's blocks were stored by exactly one replica, on its own endpoints
+    assert sorted(all(f) for f in found.values()) == [False, True], found
+    assert sorted(any(f) for f in found.values()) == [False, True], found
 
 
 @pytest.mark.heavy

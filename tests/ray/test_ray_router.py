@@ -1,0 +1,78 @@
+"""Conveyor's Serve request router (``conveyor.ray.serve.PrefixRouter``) driven through the hooks
+Serve 2.60's router calls, in the order it calls them (ray/serve/_private/router.py): choose, send,
+then for a replica at its strict ``max_ongoing_requests`` a rejection (new queue-length info, the
+call cancelled, ``on_request_completed``); for an accepted one ``on_request_routed`` and, when it
+finishes, ``on_request_completed``. No cluster: the router object alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="ConveyorEngine", app_name="conveyor")
+PREFIX = list(range(1000, 1000 + 16 * 4))   # 4 full blocks of 16
+
+
+def _router():
+    from conveyor.ray.serve import PrefixRouter
+
+    router = PrefixRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN,
+                          use_replica_queue_len_cache=True)
+    router.initialize_state(policy="prefix", block_size=16, balance_slack=8)
+    return router
+
+
+def _replicas():
+    return [SimpleNamespace(replica_id=ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT)) for i in range(2)]
+
+
+def _choose(router, replicas, ids):
+    request = SimpleNamespace(args=[{"prompt_token_ids": ids}])
+    ranked = asyncio.run(router.choose_replicas(replicas, request))
+    return ranked[0][0]
+
+
+def _accepted(router, replica, rid):
+    router.on_send_request(replica.replica_id)
+    router.on_new_queue_len_info(replica.replica_id, 1)
+    router.on_request_routed(None, replica.replica_id, None)
+    return lambda: router.on_request_completed(replica.replica_id, rid)
+
+
+def _rejected(router, replica, rid):
+    router.on_send_request(replica.replica_id)
+    router.on_new_queue_len_info(replica.replica_id, 4)   # at its limit: not accepted
+    router.on_request_completed(replica.replica_id, rid)   # the cancelled call completes
+
+
+def test_rejections_are_uncounted_and_prefix_routing_still_sticks():
+    router, replicas = _router(), _replicas()
+    home = _choose(router, replicas, PREFIX + [1, 2, 3])
+    _accepted(router, home, "a")()   # served and finished there: the prefix lives on `home`
+    for i in range(20):              # far beyond balance_slack: Serve tried `home` and it said no
+        assert _choose(router, replicas, PREFIX + [4, i]) is home
+        _rejected(router, home, f"rejected-{i}")
+    # Every rejection was uncounted: `home` is idle again, so the shared prefix goes there
+    # (had the 20 stayed counted, its load would exceed the other's by more than the slack).
+    assert _choose(router, replicas, PREFIX + [5, 6]) is home
+
+
+def test_accepted_requests_count_until_completed():
+    router = _router()
+    router.initialize_state(policy="least-load")
+    replicas = _replicas()
+    first = _choose(router, replicas, [1, 2, 3])
+    done = _accepted(router, first, "a")
+    second = _choose(router, replicas, [4, 5, 6])
+    assert second is not first   # `first` carries one request
+    done_second = _accepted(router, second, "b")
+    done()
+    assert _choose(router, replicas, [7, 8]) is first   # `first`'s request finished: it is the idler one
+    done_second()
