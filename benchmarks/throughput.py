@@ -53,7 +53,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--bf16-kernels", action="store_true",
+                    help="bf16 on the GGUF as stored: the int8 kernel (the default on VNNI CPUs without AMX) "
+                         "against the bf16-rounding kernel with its dense copy, interleaved --repeats rounds")
     args = ap.parse_args()
+    if args.bf16_kernels:
+        return compare_bf16_kernels(args)
     reqs = workload()
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched))
@@ -79,6 +84,36 @@ def main() -> None:
         line += (f" vs transformers static batch {args.hf_batch}: {hf['output_tok_s']:.1f} "
                  f"({result['ratio_vs_transformers']:.2f}x; vLLM-CPU's reference ratio is ~3.7x)")
     save("throughput", result, line)
+
+
+def compare_bf16_kernels(args) -> None:
+    import os
+    import statistics
+
+    from conveyor.profile import machine
+
+    reqs = workload()
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engines = {}
+    for kernel in ("int8", "bf16"):   # read when the model is built
+        os.environ["CONVEYOR_QUANT_BF16"] = kernel
+        engines[kernel] = Engine(EngineConfig(dtype="bfloat16", scheduler=sched))
+        run_conveyor(engines[kernel], [([1, 2, 3], 4)])   # warm-up
+    del os.environ["CONVEYOR_QUANT_BF16"]
+    runs = {k: [] for k in engines}
+    for r in range(max(args.repeats, 3)):
+        for k in (engines if r % 2 == 0 else reversed(list(engines))):
+            runs[k].append(run_conveyor(engines[k], reqs)["output_tok_s"])
+            print(r, k, round(runs[k][-1], 1), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = [a / b for a, b in zip(runs["int8"], runs["bf16"])]
+    weights = {k: e.runner.model.weight_bytes() for k, e in engines.items()}
+    result = {"runs": runs, "median": med, "ratio_per_round": ratios, "weights": weights, "machine": machine()}
+    line = (f"64 reqs, bf16 on the demo GGUF as stored, {result['machine']['cpu_family']}: int8 kernel "
+            f"{med['int8']:.1f} vs bf16-rounding kernel + dense copy {med['bf16']:.1f} output tok/s "
+            f"(median per-round ratio {statistics.median(ratios):.2f}x; weights held "
+            f"{sum(weights['int8'].values()) / 2**20:.1f} vs {sum(weights['bf16'].values()) / 2**20:.1f} MiB)")
+    save("throughput_bf16_kernels", result, line)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ Build llama.cpp once with `benchmarks/peers/setup_llamacpp.sh` (~10 minutes). Th
 - Conveyor: one request of a 1-token prompt and 128 greedy tokens (ignore_eos) through
   `LLM.generate` in a fresh process per configuration, the median of 3 repetitions after a
   warm-up: the weights as stored (`--quantization auto`) in fp32 and in the default dtype, and
-  the dequantized fp32 model (`--quantization none`) for the ratio llama.cpp's Q4-vs-F32 is.
+  the dequantized fp32 model (`--quantization none`) for the ratio llama.cpp's Q4-vs-F32 is; and bf16
+  with the bf16-rounding kernel (`CONVEYOR_QUANT_BF16=bf16`, what AMX CPUs run) beside the default.
 Rounds alternate the order of the engines. Writes benchmarks/results/llamacpp.json and a line
-in docs/benchmarks.md, with the CPU model and flags.
+in docs/benchmarks.md, with the CPU model and flags (llamacpp_<file stem>.json for other files).
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ from common import save  # noqa: E402
 
 BENCH = HERE / ".llamacpp" / "bin" / "llama-bench"
 OUR_PY = ROOT / ".venv" / "bin" / "python"
-CONFIGS = {"conveyor as stored, fp32": ("float32", "auto"), "conveyor as stored, auto dtype": ("auto", "auto"),
-           "conveyor dequantized, fp32": ("float32", "none")}
+# name -> (dtype, quantization, CONVEYOR_QUANT_BF16 or None). On a VNNI CPU without AMX a bf16 model
+# multiplies the 32-blocks with int8 activations; "bf16 kernel" is the bf16-rounding kernel instead.
+CONFIGS = {"conveyor as stored, fp32": ("float32", "auto", None), "conveyor as stored, auto dtype": ("auto", "auto", None),
+           "conveyor as stored, bf16 kernel": ("bfloat16", "auto", "bf16"),
+           "conveyor dequantized, fp32": ("float32", "none", None)}
 
 
 def conveyor_worker(model: str, dtype: str, quantization: str, tokens: int) -> dict:
@@ -53,9 +57,10 @@ def conveyor_worker(model: str, dtype: str, quantization: str, tokens: int) -> d
             "weights": llm.engine.loaded.model.weight_bytes_summary()}
 
 
-def run_conveyor(model: str, dtype: str, quantization: str, tokens: int) -> dict:
+def run_conveyor(model: str, dtype: str, quantization: str, bf16_kernel: str | None, tokens: int) -> dict:
+    env = {**os.environ, **({"CONVEYOR_QUANT_BF16": bf16_kernel} if bf16_kernel else {})}
     out = subprocess.run([str(OUR_PY), __file__, "--worker", dtype, quantization, "--model", model,
-                          "--tokens", str(tokens)], capture_output=True, text=True, check=True)
+                          "--tokens", str(tokens)], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -101,7 +106,9 @@ def main() -> None:
     line = (f"single stream on {Path(args.model).name}, {result['machine']['cpu_family']}, {threads} threads "
             f"(medians of {args.rounds} interleaved rounds): llama.cpp tg{args.tokens} {base:.1f} tok/s; " +
             ", ".join(f"{n} {v:.1f} ({v / base:.2f}x)" for n, v in med.items() if n != "llama.cpp"))
-    save("llamacpp", result, line)
+    from conveyor.model.loader import demo_model_path
+
+    save("llamacpp" if Path(args.model) == demo_model_path() else f"llamacpp_{Path(args.model).stem}", result, line)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     taken out of the dict, so that each is freed once the model holds its own layout), multiplied
     with activations rounded to int8 per block (`int8_activations`; None: where the CPU has int8 dot
     products) or in fp32."""
-    from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_native
+    from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_for, int8_activations_native
     from conveyor.model.attention import make_attention_backend
     from conveyor.model.gguf_loader import fused_group_key
     from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
@@ -141,9 +141,10 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     # Taken out of `weights` (the caller's dict): use_quantized drops each file block once it is
     # concatenated or reordered, so that loading does not hold the model twice.
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, QuantTensor)]}
-    # Int8 activations for fp32 models: a bf16 model multiplies bf16-rounded weights on every
-    # path (quantized kernel, dense copy), so that its numbers do not depend on the step's size.
-    int8 = int8_activations_native() and dtype == torch.float32 if int8_activations is None else int8_activations
+    # Int8 activations for fp32 models, and bf16 ones except on AMX CPUs (quant.int8_activations_for):
+    # there a bf16 model multiplies bf16-rounded weights on every path (quantized kernel, dense copy),
+    # so that its numbers do not depend on the step's size.
+    int8 = int8_activations_for(dtype) if int8_activations is None else int8_activations
     k_quants = int8_activations is not False and int8_activations_native()
     for k in [k for k, w in quant.items() if w.is_k and not (k_quants and w.out_features % 16 == 0)]:
         weights[k] = quant.pop(k).dequantize()   # K-quants run on the int8 kernel only

@@ -5,12 +5,14 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
 (fp32). Which kernel, by the activations' dtype (docs/models.md):
 
-- fp32 on CPUs with AVX512-VNNI: the blocks reordered once into 16-row groups (``for_int8``, the
-  same bytes) and int8 dot products, the activations split per block into two int8 terms; every
-  step size, so a token's numbers do not depend on its batch;
-- bf16: each block rounded to bf16 (the dequantized bf16 model's weights) and bf16 dot products;
-  above a token count measured per shape (``dense_tokens``) a dense bf16 copy (``dense_module``,
-  held when it fits ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
+- fp32, and bf16 without AMX, on CPUs with AVX512-VNNI (``int8_activations_for``): the blocks
+  reordered once into 16-row groups (``for_int8``, the same bytes) and int8 dot products, the
+  activations split per block into two int8 terms; every step size, so a token's numbers do not
+  depend on its batch;
+- bf16 on AMX CPUs (or ``CONVEYOR_QUANT_BF16=bf16``, or ``weight-only``): each block rounded to
+  bf16 (the dequantized bf16 model's weights) and bf16 dot products; above a token count measured
+  per shape (``dense_tokens``) a dense bf16 copy (``dense_module``, held when it fits
+  ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
 - otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
 K-quants (Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI), for fp32
@@ -46,6 +48,32 @@ def int8_activations_native() -> bool:
     feature, so the same command always chooses the same numerics on a machine."""
     kernels = _kernels()
     return kernels is not None and bool(kernels.quant_int8_native())
+
+
+def int8_activations_for(dtype: torch.dtype) -> bool:
+    """Whether a model in `dtype` multiplies its quantized 32-blocks with int8 activations (the int8
+    kernel at every step size), by CPU features only, so a restart never changes the numbers.
+
+    fp32: wherever the CPU has int8 dot products (AVX512-VNNI). bf16: there too, unless the CPU has
+    AMX. On a VNNI CPU without AMX (Zen4/Zen5, Ice Lake) the bf16 kernel, which rounds every weight
+    to bf16 so that it multiplies the dequantized bf16 model's weights, is compute-bound: 1.55x
+    slower per decode step than the int8 kernel on the demo model on a Zen5. Its large steps ran on
+    a dense bf16 copy (257 MiB beside 92 MiB of blocks) for no throughput over the int8 kernel
+    (docs/models.md). On AMX CPUs large steps run oneDNN's AMX bf16 kernels on that copy, which
+    the int8 kernel (AVX512-VNNI) has not been measured against: the bf16 kernel stays.
+    ``CONVEYOR_QUANT_BF16=int8|bf16`` overrides, for comparisons."""
+    if not int8_activations_native():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
+        return False
+    forced = os.environ.get("CONVEYOR_QUANT_BF16", "auto")
+    if forced in ("int8", "bf16"):
+        return forced == "int8"
+    from conveyor.model.dtype import cpu_flags
+
+    return "amx_bf16" not in cpu_flags()
 
 
 @dataclass(slots=True)

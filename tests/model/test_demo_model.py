@@ -57,9 +57,9 @@ def test_config_matches_transformers(demo):
     assert c.rms_norm_eps == pytest.approx(h.rms_norm_eps)
 
 
-def _quantized_demo(dtype: torch.dtype, int8: bool = False):
+def _quantized_demo(dtype: torch.dtype, int8: bool | None = False):
     """The demo model with its Q4_1/Q8_0 blocks kept as stored (the default for a GGUF), with fp32
-    activations (`--quantization weight-only`) or int8 ones."""
+    activations (`--quantization weight-only`), int8 ones, or (None) as `auto` chooses here."""
     from conveyor.model.gguf_loader import convert_gguf, gguf_native_weights
     from conveyor.model.loader import build_model, demo_model_path, read_config
     from conveyor.model.quant import QuantLinear, native_available
@@ -103,7 +103,8 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo, quantized):
     reading a bf16 KV cache, oneDNN bf16 matmuls), Conveyor's bf16 logits may be at most 2x as far
     from the fp32 logits as transformers' bf16 logits are; and each greedy choice must be the fp32
     argmax wherever fp32's top-2 margin exceeds that error (below it, bf16 may break a near-tie).
-    Quantized, the weights are not rounded to bf16 at all (the kernel widens the blocks to fp32)."""
+    Quantized as `auto` runs it here: the int8 kernel on VNNI CPUs without AMX (exact weights,
+    activations in two int8 terms per block), else the bf16 kernel (weights rounded to bf16)."""
     from conveyor.model.gguf_loader import convert_gguf
     from conveyor.model.loader import build_model, demo_model_path, load_weights, read_config
 
@@ -113,7 +114,7 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(demo, quantized):
 
     hf16 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
     directory = convert_gguf(path)
-    ours = _quantized_demo(torch.bfloat16) if quantized else \
+    ours = _quantized_demo(torch.bfloat16, int8=None) if quantized else \
         build_model(read_config(directory), load_weights(directory), dtype=torch.bfloat16)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     run = conveyor_greedy(ours, prompts, MAX_NEW, block_size=16, chunk=8, stagger=2)

@@ -371,3 +371,46 @@ def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):
     assert loader._native_types(path, "cpu", torch.float32, None, True) == ()
     assert loader._native_types(path, "cpu", torch.float32, None, False) == ("Q4_1", "Q8_0")
     assert loader._native_types(path, "cpu", torch.float32, object(), False) == ()   # tensor parallel
+
+
+def test_bf16_models_take_the_int8_kernel_except_on_amx(tiny_models, tmp_path, monkeypatch):
+    """The kernel a model's 32-blocks use is a function of its dtype and the CPU's flags (never a
+    timing): int8 for fp32 wherever VNNI is, for bf16 too unless the CPU has AMX, where large steps
+    run oneDNN's AMX bf16 on a dense copy. On the int8 kernel a bf16 model holds the file's blocks
+    only (no dense copy) and stays within bf16's rounding of the fp32 model's logits."""
+    from conveyor.model import dtype as dtype_mod
+    from conveyor.model import quant
+
+    monkeypatch.setattr(quant, "int8_activations_native", lambda: True)
+    no_amx = {"avx512f", "avx512_vnni", "avx512_bf16"}
+    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx)
+    assert quant.int8_activations_for(torch.float32) and quant.int8_activations_for(torch.bfloat16)
+    assert not quant.int8_activations_for(torch.float16)
+    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx | {"amx_tile", "amx_bf16"})
+    assert quant.int8_activations_for(torch.float32) and not quant.int8_activations_for(torch.bfloat16)
+    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
+    assert quant.int8_activations_for(torch.bfloat16)
+    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "bf16")
+    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx)
+    assert not quant.int8_activations_for(torch.bfloat16)
+    monkeypatch.setattr(quant, "int8_activations_native", lambda: False)   # no VNNI: never
+    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
+    assert not quant.int8_activations_for(torch.float32) and not quant.int8_activations_for(torch.bfloat16)
+    monkeypatch.undo()
+
+    if not quant.int8_activations_native():
+        pytest.skip("no AVX512-VNNI here: the int8 kernel does not run")
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
+    monkeypatch.setenv("CONVEYOR_QUANT_DENSE_COPY", "on")   # would be held, were the bf16-rounding kernel used
+    path = _tiny_quantized_gguf(tiny_models("llama_tied").hf, tmp_path / "t.gguf", "llama", "Q8_0")
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)), dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.x16 and m.dense_from == 0 and m.dense is None for m in linears)
+    assert set(model.weight_bytes()) == {"Q8_0", "bfloat16"}   # the blocks and the norms: no dense copy
+    dense = build_model(cfg, load_weights(convert_gguf(path)))
+    prompts = random_prompts([1, 9, 40], seed=7)
+    for got, want in zip(conveyor_prompt_logits(model, prompts, chunk=16),
+                         conveyor_prompt_logits(dense, prompts, chunk=16)):
+        assert (got.float() - want).abs().max() <= 3e-2 * want.abs().max()   # bf16 activations
