@@ -86,7 +86,7 @@ class TPGroup:
                 p.kill()
                 p.join()
         while self.on_close:
-            self.on_close.pop()()
+            self.on_close.pop(0)()
 
 
 # ---- launching -------------------------------------------------------------------------------
@@ -138,6 +138,9 @@ def start_group(world: int, device: str, backend: str = "mp", cpus_per_rank: int
 class _RayRank:
     """A rank > 0 as a Ray actor: ``run`` joins the group and serves steps until the driver stops."""
 
+    def ready(self) -> str:
+        return "ready"   # the actor was placed and this module imports on its node
+
     def run(self, rank: int, world: int, init_method: str, device: str, log_level: int) -> None:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
         os.environ["LOCAL_RANK"] = "0"   # Ray gives this actor its bundle's GPU only, as device 0
@@ -171,11 +174,18 @@ class _RayRankProcess:
         ray.kill(self.actor, no_restart=True)
 
 
+RAY_PLACEMENT_TIMEOUT_S = 600   # how long Ray may take to place the ranks and start their actors
+
+
 def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
-    """Ranks 1..world-1 as Ray actors, one placement-group bundle each. Inside a placement group
-    whose bundle 0 is this process's (a Ray Serve replica from ``get_deployment_options``), bundles
-    1..world-1 of it; otherwise a new PACK group of world-1 bundles (removed at close). The
-    rendezvous is this node's address and a free port: no master address to type."""
+    """Ranks 1..world-1 as Ray actors, one placement-group bundle each. Inside a placement group of
+    exactly `world` bundles, the engine's own (a Ray Serve replica from ``get_deployment_options``:
+    the replica in bundle 0), bundles 1..world-1 of it; otherwise a new PACK group of world-1 bundles
+    (removed at close). The rendezvous is this node's address and a free port: no master address to
+    type. Nothing waits forever: the actors must be placed and answer within
+    RAY_PLACEMENT_TIMEOUT_S, and a rank that ends before the group forms fails the start."""
+    import threading
+
     import ray
     from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -184,43 +194,79 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
     gpu = torch.device(device).type == "cuda"
     pg, owned, first = get_current_placement_group(), None, 1
-    if pg is None or len(pg.bundle_specs) < world:
-        bundle = {"CPU": float(cpus), **({"GPU": 1.0} if gpu else {})}
+    if pg is not None and len(pg.bundle_specs) != world:
+        pg = None   # not a group laid out for this engine (e.g. a gang of replicas): make one
+    if pg is None:
+        if gpu:   # rank 0 (this process) would use a GPU Ray does not know about and may hand to rank 1
+            raise ValueError("tensor parallelism on CUDA with distributed_executor_backend 'ray' needs the engine "
+                             "inside a placement group that gives rank 0 its GPU too (a Ray Serve replica: "
+                             "conveyor serve --ray); outside one, use the 'mp' backend or torchrun")
+        bundle = {"CPU": float(cpus)}
         pg = owned = placement_group([dict(bundle) for _ in range(world - 1)], strategy="PACK")
         first = 0
-        try:
-            ray.get(pg.ready(), timeout=600)
-        except BaseException:
-            remove_placement_group(pg)
-            raise RuntimeError(f"Ray could not place {world - 1} tensor-parallel rank(s) of {bundle} within 600 s: "
-                               "not enough resources in the cluster") from None
-    specs = pg.bundle_specs
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind(("", 0))
-        init = f"tcp://{ip}:{s.getsockname()[1]}"
-    actor_cls = ray.remote(_RayRank)
-    ranks = []
-    for rank in range(1, world):
-        index = first + rank - 1
-        spec = specs[index]
-        actor = actor_cls.options(
-            num_cpus=spec.get("CPU", 0.0), num_gpus=spec.get("GPU", 0.0), max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)).remote()
-        done = actor.run.remote(rank, world, init, device, logging.getLogger().getEffectiveLevel())
-        ranks.append(_RayRankProcess(actor, done))
-    logger.info("tensor-parallel ranks 1..%d placed by Ray (placement group %s, bundles %d..%d); rendezvous %s",
-                world - 1, pg.id.hex(), first, first + world - 2, init)
-    try:
-        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world, timeout=_TIMEOUT)
-    except BaseException:
+    ranks: list[_RayRankProcess] = []
+
+    def undo() -> None:
         for r in ranks:
             r.kill()
         if owned is not None:
             remove_placement_group(owned)
+
+    try:
+        if owned is not None:
+            try:
+                ray.get(pg.ready(), timeout=RAY_PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"Ray could not place {world - 1} tensor-parallel rank(s) of {bundle} within "
+                                   f"{RAY_PLACEMENT_TIMEOUT_S} s: not enough resources in the cluster") from None
+        specs = pg.bundle_specs
+        actor_cls = ray.remote(_RayRank)
+        actors = []
+        for rank in range(1, world):
+            index = first + rank - 1
+            actors.append(actor_cls.options(
+                num_cpus=specs[index].get("CPU", 0.0), num_gpus=specs[index].get("GPU", 0.0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)).remote())
+            ranks.append(_RayRankProcess(actors[-1], None))
+        try:
+            ray.get([a.ready.remote() for a in actors], timeout=RAY_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the tensor-parallel rank actors did not start within {RAY_PLACEMENT_TIMEOUT_S} s "
+                               f"(placement group {pg.id.hex()})") from None
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            init = f"tcp://{ip}:{s.getsockname()[1]}"
+        for rank, r in enumerate(ranks, 1):
+            r.done = r.actor.run.remote(rank, world, init, device, logging.getLogger().getEffectiveLevel())
+        logger.info("tensor-parallel ranks 1..%d placed by Ray (placement group %s, bundles %d..%d); rendezvous %s",
+                    world - 1, pg.id.hex(), first, first + world - 2, init)
+        # The rendezvous blocks until every rank joins: run it aside and watch the ranks meanwhile.
+        failed: list[BaseException] = []
+
+        def rendezvous() -> None:
+            try:
+                dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world,
+                                        timeout=_TIMEOUT)
+            except BaseException as e:   # noqa: BLE001 - re-raised below, in the caller's thread
+                failed.append(e)
+
+        joiner = threading.Thread(target=rendezvous, name="conveyor-tp-rendezvous", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(0.2)
+            ended, _ = ray.wait([r.done for r in ranks], timeout=0)
+            if ended and joiner.is_alive():
+                ray.get(ended)   # its error, if it raised one
+                raise RuntimeError("a tensor-parallel rank ended before the group formed")
+        if failed:
+            raise failed[0]
+    except BaseException:
+        undo()
         raise
     group = TPGroup(0, world)
     group.processes = ranks
+    group.on_close.append(lambda: [r.kill() for r in ranks])   # an actor whose run() returned still holds its bundle
     if owned is not None:
         group.on_close.append(lambda: remove_placement_group(owned))
     return group

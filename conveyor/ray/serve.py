@@ -138,6 +138,15 @@ class EngineReplica:
             if not stream.finished:
                 self.engine.abort(request_id)
 
+    def reconfigure(self, user_config: Any = None, rank: Any = None) -> None:
+        """Serve's reconfigure hook. After a scale-down Serve renumbers its replicas' ranks; this replica
+        keeps publishing KV events as the rank it started with (its ports are bound), so it says so."""
+        new = getattr(rank, "rank", rank)
+        if new is not None and int(new) != self.rank and self.config.kv_events_endpoint:
+            logger.warning("engine replica %s: Serve renumbered it to rank %s; its KV events keep dp_rank %d and "
+                           "their ports (a new replica given rank %d on this node cannot bind them)",
+                           self.tag, new, self.rank, self.rank)
+
     def engine_kv_events(self) -> dict | None:
         """Where this replica publishes KV events (None: off): its dp_rank, its node's address and
         the endpoints it bound (the configured ports + its rank), for a subscriber to connect to."""

@@ -69,7 +69,7 @@ def _free_ports(n: int) -> int:
             continue
 
 
-KV_EVENTS = _free_ports(4)   # publishers at +0, +1 (replica ranks 0, 1); replay sockets at +2, +3
+KV_EVENTS = {}   # "base": publishers bound at base + 0, + 1 (replica ranks 0, 1); replay sockets at + 2, + 3
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,8 @@ def ray_serve():
 
     from conveyor.ray.serve import build_application
 
-    config = replace(CONFIG, kv_events_endpoint=f"tcp://127.0.0.1:{KV_EVENTS}",
-                     kv_events_replay_endpoint=f"tcp://127.0.0.1:{KV_EVENTS + 2}")
+    base = KV_EVENTS["base"] = _free_ports(4)
+    config = replace(CONFIG, kv_events_endpoint=f"tcp://*:{base}", kv_events_replay_endpoint=f"tcp://*:{base + 2}")
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
@@ -173,28 +173,34 @@ def _replayed(port: int) -> list[tuple[int, list]]:
 
 
 def test_each_replica_publishes_kv_events_as_its_own_dp_rank(ray_serve):
+    base = KV_EVENTS["base"]
+    for port in (base, base + 1):   # each replica bound its publisher at the configured port + its rank
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("0.0.0.0", port))
     client = _client(ray_serve)
     model = client.models.list().data[0].id
-    prompt = "Kv events under Ray: " + " ".join(f"item{i}" for i in range(40))
-    ids = httpx.post(f"{ray_serve}/tokenize", json={"model": model, "prompt": prompt}, timeout=30).json()["tokens"]
-    full = len(ids) // 16
+    prompts = [f"Kv events under Ray, run {k}: " + " ".join(f"item{i}" for i in range(40)) for k in range(2)]
+    ids = [httpx.post(f"{ray_serve}/tokenize", json={"model": model, "prompt": p}, timeout=30).json()["tokens"]
+           for p in prompts]
+    full = min(len(i) for i in ids) // 16
     assert full >= 2
-    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    # two fresh prompts at once: routed by load, one to each replica
+    client.completions.create(model=model, prompt=prompts, max_tokens=2, temperature=0)
     deadline = time.monotonic() + 60
     while True:   # the step that stored the blocks publishes them as it ends: poll the replay sockets
-        found = {}
+        found, ranks = {}, {}
         for rank in (0, 1):
-            batches = _replayed(KV_EVENTS + 2 + rank)
-            assert {r for r, _ in batches} <= {rank}, "a replica published under another dp_rank"
+            batches = _replayed(base + 2 + rank)
+            ranks[rank] = {r for r, _ in batches}
             stored = {tuple(e[3][j:j + 16]) for _, events in batches for e in events if e[0] == "BlockStored"
                       for j in range(0, len(e[3]), 16)}   # an event may carry several blocks
-            found[rank] = [tuple(ids[16 * b:16 * (b + 1)]) in stored for b in range(full)]
-        if any(all(f) for f in found.values()) or time.monotonic() > deadline:
+            found[rank] = [all(tuple(i[16 * b:16 * (b + 1)]) in stored for b in range(full)) for i in ids]
+        if all(any(f) for f in found.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    # the prompt's blocks were stored by exactly one replica, on its own endpoints
-    assert sorted(all(f) for f in found.values()) == [False, True], found
-    assert sorted(any(f) for f in found.values()) == [False, True], found
+    assert ranks == {0: {0}, 1: {1}}, ranks   # every batch on port + r carries dp_rank r, and both published
+    # each prompt's blocks were stored by exactly one replica, a different one for each prompt
+    assert sorted(found.values()) == [[False, True], [True, False]], found
 
 
 @pytest.mark.heavy
