@@ -84,6 +84,7 @@ class EngineBackend:
         if tp is not None:
             runner = self._tensor_parallel_executor(runner, tp)
         self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
+        warn_if_profile_stale(self.cost_model, self.loaded.model)
         costs = preemption_costs(config.scheduler, self.cost_model)   # user-set costs win over the profile
         self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs), runner,
                                time.monotonic, config.max_consecutive_step_failures)
@@ -301,6 +302,20 @@ def chrome_path(path: str) -> str:
     """trace.json -> trace.chrome.json."""
     p = Path(path)
     return str(p.with_name(p.stem + ".chrome" + (p.suffix or ".json")))
+
+
+def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
+    """Warn when a saved profile was measured on other kernel paths than this model takes now (its
+    ``dispatch_thresholds`` differ: another Conveyor version or CPU rule, e.g. bf16 GGUF matmuls that
+    moved to the int8 kernel), since its step costs then describe another engine."""
+    thresholds = getattr(model, "dispatch_thresholds", None)
+    saved = cost.meta.get("dispatch_thresholds") if cost is not None else None
+    if saved is None or thresholds is None:
+        return
+    now = thresholds()
+    if {k: int(v) for k, v in saved.items()} != now:
+        logger.warning("the step-cost profile was measured with kernel switches %s, this model has %s: its costs "
+                       "describe other kernels; run `conveyor profile` again", saved, now)
 
 
 def load_cost_model(spec: str | None, model_name: str, dtype: str) -> StepCostModel | None:

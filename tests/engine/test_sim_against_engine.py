@@ -99,9 +99,10 @@ def test_a_sustained_run_calibrates_the_profile(make_engine):
     assert engine.stats().num_finished >= 24 and not engine.has_unfinished_requests()
 
 
-def test_profile_measures_both_sides_of_each_kernel_switch(make_engine):
+def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
     """The runner reports where its kernel path changes (the GEMV's width), and the profile's decode
-    sweep has a knot on each side of it, so no straight line is drawn across the switch."""
+    sweep has a knot on each side of it, so no straight line is drawn across the switch; an engine
+    loading a profile measured on other switches warns."""
     from conveyor.model.cpu_kernels import cpu_kernels
     from conveyor.profile import dispatch_thresholds, step_shapes
 
@@ -123,3 +124,12 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine):
     measured = profile(engine, quick=True, repeats=1, progress=False)
     assert measured.meta["dispatch_thresholds"]["gemv_tokens"] == width
     assert {width, width + 1} <= set(measured.knots)
+    # A saved profile measured on other kernel switches is flagged when an engine loads it.
+    from conveyor.engine.engine import warn_if_profile_stale
+
+    with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
+        warn_if_profile_stale(measured, model)
+        assert not caplog.records
+        measured.meta["dispatch_thresholds"] = {**measured.meta["dispatch_thresholds"], "quant_dense_tokens_0": 15}
+        warn_if_profile_stale(measured, model)
+        assert "run `conveyor profile` again" in caplog.text

@@ -173,6 +173,24 @@ def test_k_quant_kernel_computes_its_definition(qtype):
                                KERNELS.qgemv(x16.float(), r.data, None), rtol=1e-2, atol=1e-2)
 
 
+def test_q3_k_recoded_as_q6_k_holds_the_same_weights():
+    """Q3_K has no kernel of its own: at load it becomes Q6_K (quant.q3k_as_q6k), which the int8
+    kernel computes. gguf's own dequantization of the two must be the same floats, bit for bit, on
+    random super-blocks (every code, high bit and 6-bit scale pattern; finite fp16 d)."""
+    from conveyor.model.quant import q3k_as_q6k
+
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, size=(32, 6 * 110), dtype=np.uint8)
+    d = (rng.standard_normal((32, 6)) * 0.01).astype(np.float16)
+    data.reshape(32, 6, 110)[:, :, 108:110] = d.view(np.uint8).reshape(32, 6, 2)
+    recoded = q3k_as_q6k(data)
+    assert recoded.shape == (32, 6 * 210) and recoded.dtype == np.uint8
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q3_K)
+    got = gguf.quants.dequantize(recoded, gguf.GGMLQuantizationType.Q6_K)
+    assert np.array_equal(got, want)
+    assert len(np.unique(want)) > 1000   # not a degenerate case
+
+
 def test_kernels_refuse_what_they_cannot_read():
     w, _ = _quantized("Q8_0", 4, 64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -311,12 +329,13 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
 
 
 @pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy),
-                                   pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M"])
+                                   pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M", "Q3_K_M"])
 def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch, qtype):
     """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
-    llama.cpp mixes them in a Q4_K_M / Q5_K_M file, at a model's shapes, the demo tokenizer) load and
-    generate, holding their matmul weights in about the file's bytes (K mixes: where int8 activations
-    run), and K mixes give the logits of the same file dequantized."""
+    llama.cpp mixes them in a Q4_K_M / Q5_K_M file, or Q3_K with Q4_K and Q6_K, at a model's shapes,
+    the demo tokenizer) load and generate, holding their matmul weights in about the file's bytes
+    (K mixes: where int8 activations run; Q3_K is held as Q6_K, 1.91x its bytes), and K mixes give the
+    logits of the same file dequantized."""
     from conveyor.model.loader import load_model
     from conveyor.model.quant import int8_activations_native
 
@@ -344,8 +363,11 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         held = llm.engine.loaded.model.weight_bytes()
     assert len(out[0].outputs[0].token_ids) == 4
-    assert held[qtype[:4]] > 0 and (not k_mix or held["Q6_K"] > 0)
-    assert abs(sum(held.values()) - tensor_bytes) <= 0.1 * tensor_bytes
+    recoded = {"Q3_K": "Q6_K"}.get(qtype[:4])   # re-encoded at load: its bytes grow by 210 / 110
+    assert held[recoded or qtype[:4]] > 0 and (not k_mix or held["Q6_K"] > 0)
+    reader = gguf.GGUFReader(str(path))
+    expected = tensor_bytes + sum(int(t.n_bytes) * 100 / 110 for t in reader.tensors if t.tensor_type.name == "Q3_K")
+    assert abs(sum(held.values()) - expected) <= 0.1 * expected
     if k_mix:   # every matmul as stored (int8 activations) vs the file dequantized to fp32
         stored, dense = load_model(path).model, load_model(path, quantization="none").model
         prompts = random_prompts([1, 9, 40], seed=3)
