@@ -309,11 +309,17 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     ``dispatch_thresholds`` differ: another Conveyor version or CPU rule, e.g. bf16 GGUF matmuls that
     moved to the int8 kernel), since its step costs then describe another engine."""
     thresholds = getattr(model, "dispatch_thresholds", None)
-    saved = cost.meta.get("dispatch_thresholds") if cost is not None else None
+    saved = (cost.meta or {}).get("dispatch_thresholds") if cost is not None else None
     if saved is None or thresholds is None:
         return
     now = thresholds()
-    if {k: int(v) for k, v in saved.items()} != now:
+    try:
+        saved = {str(k): int(v) for k, v in saved.items()}
+    except (AttributeError, TypeError, ValueError):
+        logger.warning("the step-cost profile's kernel switches are unreadable (%r): it may describe other kernels",
+                       saved)
+        return
+    if saved != now:
         logger.warning("the step-cost profile was measured with kernel switches %s, this model has %s: its costs "
                        "describe other kernels; run `conveyor profile` again", saved, now)
 

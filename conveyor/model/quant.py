@@ -51,8 +51,14 @@ def q3k_as_q6k(data: np.ndarray) -> np.ndarray:
     """Q3_K super-blocks (uint8 [rows, n * 110]) as Q6_K ones (uint8 [rows, n * 210]) holding the same
     weights: Q3_K's weight d * (s - 32) * q (q = low 2 bits - 4 * (1 - high bit), -4..3; s 6 bits
     per 16 weights) is Q6_K's d * s' * (c - 32) with s' = s - 32 (int8) and c = q + 32 (6 bits), the
-    same fp32 products in the same order (ggml's layouts, as the gguf package reads them)."""
-    rows = data.shape[0]
+    same fp32 products in the same order (ggml's layouts, as the gguf package reads them). In chunks
+    of rows, so that the temporaries stay small beside a large tensor (an 8B model's embedding)."""
+    rows, chunk = data.shape[0], 4096
+    if rows > chunk:
+        out = np.empty((rows, data.shape[1] // 110 * 210), dtype=np.uint8)
+        for r in range(0, rows, chunk):
+            out[r:r + chunk] = q3k_as_q6k(data[r:r + chunk])
+        return out
     b = data.reshape(-1, 110)
     hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
     low, high = sc[:, :8], sc[:, 8:12]

@@ -182,8 +182,8 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
     exactly `world` bundles, the engine's own (a Ray Serve replica from ``get_deployment_options``:
     the replica in bundle 0), bundles 1..world-1 of it; otherwise a new PACK group of world-1 bundles
     (removed at close). The rendezvous is this node's address and a free port: no master address to
-    type. Nothing waits forever: the actors must be placed and answer within
-    RAY_PLACEMENT_TIMEOUT_S, and a rank that ends before the group forms fails the start."""
+    type. Nothing waits forever: the actors must be placed and answer, and the group form, within
+    RAY_PLACEMENT_TIMEOUT_S each, and a rank that ends before the group forms fails the start."""
     import threading
 
     import ray
@@ -244,10 +244,10 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
         # The rendezvous blocks until every rank joins: run it aside and watch the ranks meanwhile.
         failed: list[BaseException] = []
 
-        def rendezvous() -> None:
+        def rendezvous() -> None:   # bounded: a rank that is up but cannot connect fails the start
             try:
                 dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=world,
-                                        timeout=_TIMEOUT)
+                                        timeout=datetime.timedelta(seconds=RAY_PLACEMENT_TIMEOUT_S))
             except BaseException as e:   # noqa: BLE001 - re-raised below, in the caller's thread
                 failed.append(e)
 
@@ -261,6 +261,10 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
                 raise RuntimeError("a tensor-parallel rank ended before the group formed")
         if failed:
             raise failed[0]
+        # Formed: rank 0's collectives get the usual timeout (the other ranks joined with it).
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(_TIMEOUT)
     except BaseException:
         undo()
         raise

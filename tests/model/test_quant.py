@@ -189,6 +189,8 @@ def test_q3_k_recoded_as_q6_k_holds_the_same_weights():
     got = gguf.quants.dequantize(recoded, gguf.GGMLQuantizationType.Q6_K)
     assert np.array_equal(got, want)
     assert len(np.unique(want)) > 1000   # not a degenerate case
+    big = np.tile(data[:, :110], (129, 1))   # 4128 rows: converted in chunks of 4096 rows
+    assert np.array_equal(q3k_as_q6k(big), np.tile(recoded[:, :210], (129, 1)))
 
 
 def test_kernels_refuse_what_they_cannot_read():
