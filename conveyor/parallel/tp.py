@@ -99,9 +99,9 @@ def _backend(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -142,13 +142,8 @@ class _RayRank:
         return "ready"   # the actor was placed and this module imports on its node
 
     def run(self, rank: int, world: int, init_method: str, device: str, log_level: int) -> None:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
         os.environ["LOCAL_RANK"] = "0"   # Ray gives this actor its bundle's GPU only, as device 0
-        if torch.device(device).type == "cuda":
-            torch.cuda.set_device(0)
-        dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=world,
-                                timeout=_TIMEOUT)
-        _serve_steps(TPGroup(rank, world))
+        _join_and_serve(rank, world, init_method, device, log_level, cuda_index=0)
 
 
 class _RayRankProcess:
@@ -233,10 +228,7 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
         except ray.exceptions.GetTimeoutError:
             raise RuntimeError(f"the tensor-parallel rank actors did not start within {RAY_PLACEMENT_TIMEOUT_S} s "
                                f"(placement group {pg.id.hex()})") from None
-        ip = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            init = f"tcp://{ip}:{s.getsockname()[1]}"
+        init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port('')}"   # reachable from other nodes
         for rank, r in enumerate(ranks, 1):
             r.done = r.actor.run.remote(rank, world, init, device, logging.getLogger().getEffectiveLevel())
         logger.info("tensor-parallel ranks 1..%d placed by Ray (placement group %s, bundles %d..%d); rendezvous %s",
@@ -292,9 +284,15 @@ def _spawned_worker(rank: int, world: int, init_method: str, device: str, log_le
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _join_and_serve(rank, world, init_method, device, log_level, cuda_index=rank)
+
+
+def _join_and_serve(rank: int, world: int, init_method: str, device: str, log_level: int, cuda_index: int) -> None:
+    """A rank > 0 started by the driver (spawned, or a Ray actor): its logging, its GPU (`cuda_index`
+    among those it sees), the rendezvous, then the steps the driver broadcasts."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
     if torch.device(device).type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(cuda_index)
     dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=_TIMEOUT)
     _serve_steps(TPGroup(rank, world))
