@@ -41,10 +41,20 @@ def load_cpu_kernels():
         _put_ninja_on_path()
 
         return load(name="conveyor_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(), _headers_flag()],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
         return None
+
+
+def _headers_flag() -> str:
+    """A define naming the headers' content: torch rebuilds a JIT extension when its sources or flags
+    change, not its headers, so a change to a header alone would keep the old module."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
+    return f"-DCONVEYOR_HEADERS={digest}"
 
 
 def _put_ninja_on_path() -> None:

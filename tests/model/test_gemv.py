@@ -93,6 +93,26 @@ def _forced_model(fam, dtype, monkeypatch):
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3", "llama_tied", "gemma3", "mistral_swa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_equals_python_layer_loop(tiny_models, name, dtype, monkeypatch):
+    _check_fused_decode(tiny_models, name, dtype, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_with_two_threads_equals_python_layer_loop(tiny_models, name, dtype, monkeypatch):
+    """The fused loop is one parallel region whose threads share out every kernel's rows and the
+    attention's heads (by KV head, or by query head when there are too few KV heads to share) and
+    meet at barriers: with two threads (the rest of this directory runs on one) it still gives the
+    Python loop's bits. GQA (Mistral's one KV head: odd batches share the attention by query head),
+    q/k norms, and Gemma's GeGLU, extra norms and windows."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_fused_decode(tiny_models, name, dtype, monkeypatch)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _check_fused_decode(tiny_models, name, dtype, monkeypatch):
     fam = tiny_models(name)
     model = _forced_model(fam, dtype, monkeypatch)
     fused_calls = []

@@ -95,6 +95,26 @@ def test_int8_kernel_computes_its_definition(qtype):
         assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
+def test_int8_kernels_give_the_same_bits_on_two_threads():
+    """A prefill's activations are quantized by both threads (more than 256 blocks) and its rows
+    shared out: the bits of one thread. (Regression: the quantized activations once lived in a
+    thread-local buffer that the second thread, naming it, found empty.)"""
+    w, _ = _quantized("Q4_1", 48, 96, seed=3)
+    k, _ = _random_k("Q6_K", 48, 512, seed=4)
+    g = torch.Generator().manual_seed(3)
+    cases = [(w.for_int8().data, torch.randn(100, 96, generator=g)), (k.for_int8().data, torch.randn(40, 512, generator=g))]
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [KERNELS.qgemv(x, data, None) for data, x in cases]
+        torch.set_num_threads(2)
+        two = [KERNELS.qgemv(x, data, None) for data, x in cases]
+    finally:
+        torch.set_num_threads(prev)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
     """In bf16 the blocks are rounded to bf16 before multiplying: the dequantized bf16 model's
@@ -280,11 +300,21 @@ def test_fused_matmul_with_mixed_types_stays_dense(tiny_models, tmp_path, monkey
         torch.testing.assert_close(got, want, rtol=0, atol=logit_atol(want))
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_fused_matmul_with_two_quantized_types_stays_quantized(tiny_models, tmp_path, monkeypatch, int8):
+@pytest.mark.parametrize("int8,threads", [(False, 1), (True, 1), (True, 2)])
+def test_fused_matmul_with_two_quantized_types_stays_quantized(tiny_models, tmp_path, monkeypatch, int8, threads):
     """Pieces quantized in different types (q/k in Q5_0, v in Q8_0, as Gemma 3's Q4_K_M file stores
     them) stay as stored, one kernel call per type (QuantConcat), and give the dequantized model's
-    logits (int8 activations: close to them), through the fused decode loop too (its q/k/v in pieces)."""
+    logits (int8 activations: close to them), through the fused decode loop too (its q/k/v in pieces;
+    with two threads each quantizes the activations for itself and computes its share of the rows)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _two_quantized_types(tiny_models, tmp_path, monkeypatch, int8)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _two_quantized_types(tiny_models, tmp_path, monkeypatch, int8):
     from conveyor.model.quant import QuantConcat
 
     if int8 and not KERNELS.quant_int8_native():
@@ -302,8 +332,17 @@ def test_fused_matmul_with_two_quantized_types_stays_quantized(tiny_models, tmp_
     prompts = random_prompts([7, 20], seed=6)
     for got, want in zip(conveyor_prompt_logits(model, prompts), conveyor_prompt_logits(dense, prompts)):
         torch.testing.assert_close(got, want, rtol=0, atol=(30 if int8 else 1) * logit_atol(want))
+    calls, original = [], model._fused_decode
+    monkeypatch.setattr(model, "_fused_decode", lambda *a: calls.append(1) or original(*a))
+    fused = conveyor_greedy(model, prompts, 8)
+    assert calls
     if not int8:
-        assert conveyor_greedy(model, prompts, 8).tokens == conveyor_greedy(dense, prompts, 8).tokens
+        assert fused.tokens == conveyor_greedy(dense, prompts, 8).tokens
+    width, model.fused_decode_tokens = model.fused_decode_tokens, 0   # the Python layer loop: the same bits
+    loop = conveyor_greedy(model, prompts, 8)
+    model.fused_decode_tokens = width
+    assert fused.tokens == loop.tokens
+    assert all(torch.equal(a, b) for a, b in zip(fused.logits, loop.logits))
 
 
 @pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")

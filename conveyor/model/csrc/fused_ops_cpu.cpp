@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"
+#include "rowops.h"
 
 #include <cmath>
 #include <cstring>
@@ -12,21 +13,12 @@
 
 namespace {
 
+using conveyor::add_row;
 using conveyor::narrow;
+using conveyor::rms_row;
+using conveyor::rope_row;
+using conveyor::silu_mul_row;
 using conveyor::widen;
-
-template <typename T>
-inline void rms_row(const T* __restrict x, const T* __restrict w, T* __restrict out, int64_t d, float eps) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < d; ++i) {
-        const float v = widen(x[i]);
-        ss += v * v;
-    }
-    const float inv = 1.f / std::sqrt(ss / (float)d + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) narrow(widen(x[i]) * inv * widen(w[i]), out + i);
-}
 
 template <typename T>
 void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
@@ -46,11 +38,8 @@ void add_rms_norm_impl(const torch::Tensor& x, torch::Tensor& residual, const to
     T *rp = residual.data_ptr<T>(), *op = out.data_ptr<T>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {
-            T* rr = rp + r * d;
-            const T* xr = xp + r * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) narrow(widen(rr[i]) + widen(xr[i]), rr + i);
-            rms_row(rr, wp, op + r * d, d, (float)eps);
+            add_row(rp + r * d, xp + r * d, d);
+            rms_row(rp + r * d, wp, op + r * d, d, (float)eps);
         }
     });
 }
@@ -63,13 +52,7 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {
             const T* g = gp + r * two_i;
-            const T* u = g + inter;
-            T* o = op + r * inter;
-#pragma omp simd
-            for (int64_t i = 0; i < inter; ++i) {
-                const float gv = widen(g[i]);
-                narrow(gv / (1.f + std::exp(-gv)) * widen(u[i]), o + i);
-            }
+            silu_mul_row(g, g + inter, op + r * inter, inter);
         }
     });
 }
@@ -85,15 +68,7 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Te
         for (int64_t t = b; t < e; ++t) {
             const float* c = cp + pp[t] * half;
             const float* s = sp + pp[t] * half;
-            for (int64_t h = 0; h < H; ++h) {
-                T* v = xp + t * row + h * d;
-#pragma omp simd
-                for (int64_t i = 0; i < half; ++i) {
-                    const float x1 = widen(v[i]), x2 = widen(v[i + half]);
-                    narrow(x1 * c[i] - x2 * s[i], v + i);
-                    narrow(x2 * c[i] + x1 * s[i], v + i + half);
-                }
-            }
+            for (int64_t h = 0; h < H; ++h) rope_row(xp + t * row + h * d, c, s, half);
         }
     });
 }

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"
+#include "kernels.h"
+#include "team.h"
 
 #include <algorithm>
 
@@ -125,31 +127,28 @@ void gemv_rows(const T* x, int64_t ldx, const T* w, const T* bias, T* y, int64_t
 }
 
 template <typename T>
-void gemv_impl(const torch::Tensor& x, const torch::Tensor& w, const T* bias, torch::Tensor& y) {
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    const T *xp = x.data_ptr<T>(), *wp = w.data_ptr<T>();
-    T* yp = y.data_ptr<T>();
+void gemv_impl(const T* xp, int64_t M, int64_t K, const T* wp, int64_t N, const T* bias, T* yp, int64_t ldy) {
     // Each thread streams a contiguous share of the weight rows, split in blocks of 16 rows: 576
     // rows (the demo model's o and down projections) in blocks of 64 gave one of two threads 5
     // blocks of 9, and at batch 1 the layers' matmuls took 2-4% longer than with blocks of 16.
     const int64_t block = 16, blocks = (N + block - 1) / block;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    conveyor::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         const int64_t n0 = b0 * block, n1 = std::min(N, b1 * block);
         for (int64_t m = 0; m < M; m += kMaxM) {
             const T* xm = xp + m * K;
-            T* ym = yp + m * N;
+            T* ym = yp + m * ldy;
             switch (std::min<int64_t>(kMaxM, M - m)) {
                 case 1:
-                    if (g_prefetch_single) gemv_rows<T, 1, true>(xm, K, wp, bias, ym, N, K, n0, n1);
-                    else gemv_rows<T, 1, false>(xm, K, wp, bias, ym, N, K, n0, n1);
+                    if (g_prefetch_single) gemv_rows<T, 1, true>(xm, K, wp, bias, ym, ldy, K, n0, n1);
+                    else gemv_rows<T, 1, false>(xm, K, wp, bias, ym, ldy, K, n0, n1);
                     break;
-                case 2: gemv_rows<T, 2>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                case 3: gemv_rows<T, 3>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                case 4: gemv_rows<T, 4>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                case 5: gemv_rows<T, 5>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                case 6: gemv_rows<T, 6>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                case 7: gemv_rows<T, 7>(xm, K, wp, bias, ym, N, K, n0, n1); break;
-                default: gemv_rows<T, 8>(xm, K, wp, bias, ym, N, K, n0, n1); break;
+                case 2: gemv_rows<T, 2>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                case 3: gemv_rows<T, 3>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                case 4: gemv_rows<T, 4>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                case 5: gemv_rows<T, 5>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                case 6: gemv_rows<T, 6>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                case 7: gemv_rows<T, 7>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
+                default: gemv_rows<T, 8>(xm, K, wp, bias, ym, ldy, K, n0, n1); break;
             }
         }
     });
@@ -166,11 +165,21 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
                           "bias [N], x's dtype");
     auto y = torch::empty({x.size(0), w.size(0)}, x.options());
     if (x.scalar_type() == torch::kBFloat16)
-        gemv_impl<at::BFloat16>(x, w, bias ? bias->data_ptr<at::BFloat16>() : nullptr, y);
+        gemv_raw<at::BFloat16>(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), w.data_ptr<at::BFloat16>(), w.size(0),
+                               bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), w.size(0));
     else
-        gemv_impl<float>(x, w, bias ? bias->data_ptr<float>() : nullptr, y);
+        gemv_raw<float>(x.data_ptr<float>(), x.size(0), x.size(1), w.data_ptr<float>(), w.size(0),
+                        bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), w.size(0));
     return y;
 }
+
+template <typename T>
+void gemv_raw(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T* bias, T* y, int64_t ldy) {
+    gemv_impl<T>(x, M, K, w, N, bias, y, ldy);
+}
+template void gemv_raw<float>(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t);
+template void gemv_raw<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t,
+                                     const at::BFloat16*, at::BFloat16*, int64_t);
 
 
 void set_gemv_prefetch_single(bool on) { g_prefetch_single = on; }

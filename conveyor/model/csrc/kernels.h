@@ -23,7 +23,6 @@ torch::Tensor qembedding(torch::Tensor w, torch::Tensor ids, int64_t K, at::Scal
 torch::Tensor qrepack(torch::Tensor w, int64_t K);
 torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes);
 bool quant_int8_native();
-torch::Tensor linear_any(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
@@ -32,3 +31,29 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin, std::vector<int64_t> windows,
     std::vector<torch::Tensor> slot_mappings, std::vector<torch::Tensor> block_tables, torch::Tensor context_lens,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gelu);
+
+// ---- Raw entry points for the decode loop: no allocation, no torch op; inside a decode team
+// (team.h) each computes the calling thread's share. Operands are checked by the caller first.
+
+// y (rows ldy apart) = x W^T (+ bias), x: M rows of K (contiguous), a plain dense weight [N, K]; T fp32 or bf16.
+template <typename T>
+void gemv_raw(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T* bias, T* y, int64_t ldy);
+// The same for any decode-layer weight: quantized (uint8, either layout) or dense in T.
+template <typename T>
+void linear_raw(const T* x, int64_t M, int64_t K, const torch::Tensor& w, const T* bias, T* y, int64_t ldy);
+// Throws unless linear_raw takes w for K inputs in `dtype`; returns its output features.
+int64_t linear_check(const torch::Tensor& w, int64_t K, at::ScalarType dtype);
+
+// Per-thread buffers of the attention kernels.
+struct AttnScratch {
+    std::vector<float> scores, acc, row;
+};
+// Decode attention of G query heads (qs: G rows of d, fp32) sharing one KV head (kh, vh: that
+// head of the caches [num_blocks, block_size, d]) for one sequence (table: its block table)
+// over its tokens [first, L): fp32 outputs, G rows of d, to out.
+template <typename T>
+using AttnItemFn = void (*)(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t L,
+                            int64_t bs, int64_t d, int64_t G, float* out, float scale, AttnScratch& scratch);
+// The kernel paged_decode uses for G query heads per KV head of d dims.
+template <typename T>
+AttnItemFn<T> attn_item_kernel(int64_t d, int64_t G);

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"
+#include "kernels.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -60,35 +62,29 @@ inline void axpy(float* __restrict y, const float* __restrict x, float a, int n)
     for (int i = 0; i < len; ++i) y[i] += a * x[i];
 }
 
+// One (sequence, KV head) with G query heads (qs: G rows of d, fp32) over tokens [first, L): the
+// fp32 outputs of the G heads to out. Each head's numbers do not depend on G (the G heads only
+// share the K/V rows read), so a head computed alone (G = 1) gets the same bits.
 template <typename T, int HD>
-void decode_impl(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
-                 int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t d, int64_t max_blocks,
-                 float scale, int64_t window) {
-    const int64_t G = H / KVH;
-    const int64_t head_stride = num_blocks * bs * d;  // one KV head of the cache
-    at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, acc, row(d);
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = item / KVH, h = item % KVH;
-            const int64_t L = lens[s], first = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - first;
-            const int64_t* table = tables + s * max_blocks;
-            const float* qs = q + (s * H + h * G) * d;
-            const T* kh = kc + h * head_stride;
-            const T* vh = vc + h * head_stride;
-            scores.assign(G * n, 0.f);
-            for (int64_t t = first; t < L; ++t) {
-                load_row<T, HD>(kh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
-                for (int64_t g = 0; g < G; ++g) scores[g * n + t - first] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
-            }
-            softmax_rows(scores.data(), G, n);
-            acc.assign(G * d, 0.f);
-            for (int64_t t = first; t < L; ++t) {
-                load_row<T, HD>(vh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
-                for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * n + t - first], (int)d);
-            }
-            std::copy(acc.begin(), acc.end(), out + (s * H + h * G) * d);
-        }
-    });
+void decode_item(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t L, int64_t bs,
+                 int64_t d, int64_t G, float* out, float scale, AttnScratch& sc) {
+    const int64_t n = L - first;
+    auto& scores = sc.scores;
+    auto& acc = sc.acc;
+    auto& row = sc.row;
+    row.resize(d);
+    scores.assign(G * n, 0.f);
+    for (int64_t t = first; t < L; ++t) {
+        load_row<T, HD>(kh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+        for (int64_t g = 0; g < G; ++g) scores[g * n + t - first] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
+    }
+    softmax_rows(scores.data(), G, n);
+    acc.assign(G * d, 0.f);
+    for (int64_t t = first; t < L; ++t) {
+        load_row<T, HD>(vh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+        for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * n + t - first], (int)d);
+    }
+    std::copy(acc.begin(), acc.end(), out);
 }
 
 #if defined(__AVX512F__)
@@ -122,8 +118,9 @@ inline void prefetch_rows(const T* head, const int64_t* table, int64_t from, int
 // at a time, the weighted sum of V rows into G x HD/16 accumulators that never leave registers.
 template <typename T, int HD, int G>
 void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t L,
-                        int64_t bs, float* out, float scale, std::vector<float>& scores) {
+                        int64_t bs, int64_t, int64_t, float* out, float scale, AttnScratch& sc) {
     constexpr int C = HD / 16;
+    auto& scores = sc.scores;
     __m512 q[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * HD + 16 * c), _mm512_set1_ps(scale));
@@ -187,55 +184,56 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * HD + 16 * c, acc[g][c]);
 }
 
-template <typename T, int HD, int G>
-void decode_avx512(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
-                   int64_t D, int64_t H, int64_t KVH, int64_t num_blocks, int64_t bs, int64_t max_blocks, float scale,
-                   int64_t window) {
-    const int64_t head_stride = num_blocks * bs * HD;
-    at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores;
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = item / KVH, h = item % KVH;
-            decode_item_avx512<T, HD, G>(q + (s * H + h * G) * HD, kc + h * head_stride, vc + h * head_stride,
-                                         tables + s * max_blocks, window > 0 ? std::max<int64_t>(0, lens[s] - window) : 0,
-                                         lens[s], bs, out + (s * H + h * G) * HD, scale, scores);
-        }
-    });
-}
-
-// Register-blocked kernels for the shapes of common models (accumulators must fit in registers).
-template <typename T, int HD>
-bool try_avx512(int64_t G, const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
-                float* out, int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t MB, float scale, int64_t W) {
-    switch (HD == 64 ? G : G + 100) {
-        case 1: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 2: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 3: decode_avx512<T, HD, 3>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 4: decode_avx512<T, HD, 4>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 5: decode_avx512<T, HD, 5>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 101: decode_avx512<T, HD, 1>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        case 102: decode_avx512<T, HD, 2>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W); return true;
-        default: return false;
-    }
-}
 #endif
+
+// The kernel for G query heads per KV head of d dims: register-blocked for common shapes (the
+// accumulators must fit in registers), else the portable loop.
+template <typename T>
+AttnItemFn<T> item_kernel(int64_t d, int64_t G) {
+#if defined(__AVX512F__)
+    if (d == 64) {
+        switch (G) {
+            case 1: return &decode_item_avx512<T, 64, 1>;
+            case 2: return &decode_item_avx512<T, 64, 2>;
+            case 3: return &decode_item_avx512<T, 64, 3>;
+            case 4: return &decode_item_avx512<T, 64, 4>;
+            case 5: return &decode_item_avx512<T, 64, 5>;
+            default: break;
+        }
+    }
+    if (d == 128 && G == 1) return &decode_item_avx512<T, 128, 1>;
+    if (d == 128 && G == 2) return &decode_item_avx512<T, 128, 2>;
+#endif
+    if (d == 64) return &decode_item<T, 64>;
+    if (d == 256) return &decode_item<T, 256>;
+    if (d == 128) return &decode_item<T, 128>;
+    return &decode_item<T, 0>;
+}
 
 template <typename T>
 void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
               int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t MB, float scale,
               int64_t W) {
-#if defined(__AVX512F__)
-    const int64_t G = H / KVH;
-    if (d == 64 && try_avx512<T, 64>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W)) return;
-    if (d == 128 && try_avx512<T, 128>(G, q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, MB, scale, W)) return;
-#endif
-    if (d == 64) decode_impl<T, 64>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
-    else if (d == 256) decode_impl<T, 256>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
-    else if (d == 128) decode_impl<T, 128>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
-    else decode_impl<T, 0>(q, kc, vc, tables, lens, out, D, H, KVH, NB, BS, d, MB, scale, W);
+    const int64_t G = H / KVH, head_stride = NB * BS * d;   // one KV head of the cache
+    const AttnItemFn<T> fn = item_kernel<T>(d, G);
+    at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
+        AttnScratch sc;
+        for (int64_t item = begin; item < end; ++item) {
+            const int64_t s = item / KVH, h = item % KVH;
+            fn(q + (s * H + h * G) * d, kc + h * head_stride, vc + h * head_stride, tables + s * MB,
+               W > 0 ? std::max<int64_t>(0, lens[s] - W) : 0, lens[s], BS, d, G, out + (s * H + h * G) * d, scale, sc);
+        }
+    });
 }
 
 }  // namespace
+
+template <typename T>
+AttnItemFn<T> attn_item_kernel(int64_t d, int64_t G) {
+    return item_kernel<T>(d, G);
+}
+template AttnItemFn<float> attn_item_kernel<float>(int64_t, int64_t);
+template AttnItemFn<at::BFloat16> attn_item_kernel<at::BFloat16>(int64_t, int64_t);
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {

@@ -14,6 +14,7 @@
 
 #include "cpu_vec.h"
 #include "kernels.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -77,7 +78,7 @@ inline uint32_t u32_at(const uint8_t* p) {
 template <typename F>
 inline void row_passes(int64_t N, int64_t M, F&& f) {
     const int64_t block = 16, blocks = (N + block - 1) / block;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    conveyor::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         const int64_t n0 = b0 * block, n1 = std::min(N, b1 * block);
         for (int64_t m = 0; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m, n0, n1); });
     });
@@ -260,18 +261,18 @@ void qgemv_rows_bf16(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t
 
 template <int QT>
 void qgemv_bf16_impl(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes,
-                     const at::BFloat16* bias, at::BFloat16* y) {
+                     const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
     row_passes(N, M, [&](auto mc, int64_t m, int64_t n0, int64_t n1) {
-        qgemv_rows_bf16<QT, decltype(mc)::value>(x + m * K, K, w, row_bytes, bias, y + m * N, N, n0, n1);
+        qgemv_rows_bf16<QT, decltype(mc)::value>(x + m * K, K, w, row_bytes, bias, y + m * ldy, ldy, n0, n1);
     });
 }
 #endif
 
 template <int QT, typename T>
 void qgemv_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, int64_t row_bytes, const T* bias,
-                T* y) {
+                T* y, int64_t ldy) {
     row_passes(N, M, [&](auto mc, int64_t m, int64_t n0, int64_t n1) {
-        qgemv_rows<QT, decltype(mc)::value>(x + m * K, K, w, row_bytes, bias, y + m * N, N, n0, n1);
+        qgemv_rows<QT, decltype(mc)::value>(x + m * K, K, w, row_bytes, bias, y + m * ldy, ldy, n0, n1);
     });
 }
 
@@ -288,7 +289,7 @@ void qgemv_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 //                4c..4c+3, high nibbles: weights 16+4c..16+4c+3, as ggml packs them); Q5_0: then
 //                a fifth chunk, bytes 4j..4j+3 = row j's 32 fifth bits (its block's word);
 //     Q8_0: 8 chunks, chunk t = weights 4t..4t+3, each + 128 (unsigned).
-// Activations are rounded per token and block of 32 to two int8 terms (quantize_x): that, not
+// Activations are rounded per token and block of 32 to two int8 terms (quantize_into): that, not
 // the weights, is this path's only rounding beyond the fp32 one's.
 constexpr int kRows = 16;
 
@@ -423,15 +424,40 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
     X.sum[r] = sum;
 }
 
-QuantX quantize_x(const float* x, int64_t M, int64_t K) {
+// x's M rows of K quantized into X. In a decode team every thread quantizes all of x for itself,
+// into buffers of its own that it keeps from call to call (a decode step's few tokens: no
+// allocation once they are large enough); elsewhere into a fresh X (a prefill's can be tens of MB).
+void quantize_into(const float* x, int64_t M, int64_t K, QuantX& X) {
     const int64_t nb = K / kBlock, n = M * nb;
-    QuantX X{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(n), std::vector<float>(n),
-             std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n), std::vector<int32_t>(n),
-             std::vector<int32_t>(n)};
-    at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) quantize_block(x + r * kBlock, X, r);
-    });
-    return X;
+    if ((int64_t)X.q.size() < M * K) {
+        X.q.resize(M * K);
+        X.q2.resize(M * K);
+    }
+    if ((int64_t)X.d.size() < n)
+        for (auto* v : {&X.d, &X.d2, &X.sum}) v->resize(n);
+    if ((int64_t)X.qsum.size() < n)
+        for (auto* v : {&X.qsum, &X.qsum2, &X.qsum_lo, &X.qsum2_lo}) v->resize(n);
+    if (conveyor::team()) {
+        for (int64_t r = 0; r < n; ++r) quantize_block(x + r * kBlock, X, r);
+    } else {
+        at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+            for (int64_t r = r0; r < r1; ++r) quantize_block(x + r * kBlock, X, r);
+        });
+    }
+}
+
+// Calls f(X) with x quantized (see quantize_into for where X lives).
+template <typename F>
+inline void with_quantized(const float* x, int64_t M, int64_t K, F&& f) {
+    if (conveyor::team()) {
+        thread_local QuantX own;   // (named here, in the thread that uses it: a lambda would not capture it)
+        quantize_into(x, M, K, own);
+        f(static_cast<const QuantX&>(own));
+    } else {
+        QuantX fresh;
+        quantize_into(x, M, K, fresh);
+        f(static_cast<const QuantX&>(fresh));
+    }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -451,7 +477,7 @@ inline void store_group(const __m512 (&acc)[M], const T* bias, T* y, int64_t ldy
 // f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
 template <typename F>
 inline void group_passes(int64_t N, int64_t M, F&& f) {
-    at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+    conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; ++g)
             for (int64_t m = 0; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m, g); });
     });
@@ -538,10 +564,10 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
 }
 
 template <int QT, typename T>
-void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
     const int64_t nb = K / kBlock, gbytes = nb * kRows * QT;
     group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
-        x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, N, g * kRows);
+        x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
 #else
@@ -550,10 +576,11 @@ constexpr bool kHaveVnni = false;
 
 // The x16 layout without VNNI (a file repacked elsewhere): the int8 arithmetic, scalar.
 template <int QT, typename T>
-void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y,
+                  int64_t ldy) {
     const int64_t nb = K / kBlock;
     constexpr int off = code_zero(QT);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    conveyor::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         uint8_t tmp[kQ8_0];
         for (int64_t n = n0; n < n1; ++n)
             for (int64_t m = 0; m < M; ++m) {
@@ -579,28 +606,31 @@ void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64
                          half_at(blk);
                     if (QT == kQ4_1) s += half_at(blk + 2) * X.sum[r];
                 }
-                narrow(s + (bias ? widen(bias[n]) : 0.f), y + m * N + n);
+                narrow(s + (bias ? widen(bias[n]) : 0.f), y + m * ldy + n);
             }
     });
 }
 
 template <int QT, typename T>
-void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const uint8_t* w, const T* bias, T* y) {
+void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const uint8_t* w, const T* bias, T* y,
+                 int64_t ldy) {
     if (!info.x16) {
-        qgemv_impl<QT, T>(x, M, K, w, info.N, (K / kBlock) * QT, bias, y);
+        qgemv_impl<QT, T>(x, M, K, w, info.N, (K / kBlock) * QT, bias, y, ldy);
         return;
     }
-    const QuantX X = quantize_x(x, M, K);
+    with_quantized(x, M, K, [&](const QuantX& X) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    x16_impl<QT, T>(X, M, K, w, info.N, bias, y);
+        x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #else
-    x16_portable<QT, T>(X, M, K, w, info.N, bias, y);
+        x16_portable<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #endif
+    });
 }
 
 template <typename T>
-void dispatch_qgemv(const QInfo& info, const float* x, int64_t M, int64_t K, const uint8_t* w, const T* bias, T* y) {
-    with_qtype(info.qt, [&](auto qt) { qgemv_typed<decltype(qt)::value, T>(info, x, M, K, w, bias, y); });
+void dispatch_qgemv(const QInfo& info, const float* x, int64_t M, int64_t K, const uint8_t* w, const T* bias, T* y,
+                    int64_t ldy) {
+    with_qtype(info.qt, [&](auto qt) { qgemv_typed<decltype(qt)::value, T>(info, x, M, K, w, bias, y, ldy); });
 }
 
 // Rows `ids` (all rows when ids is null) of a quantized weight, widened to T.
@@ -822,9 +852,10 @@ void kdequant_impl(const uint8_t* w, int64_t K, const int64_t* ids, int64_t rows
 
 // The int8 arithmetic, scalar: the reference of the vector kernel and its path without VNNI.
 template <int KT, typename T>
-void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y,
+                   int64_t ldy) {
     const int64_t ns = K / kSuper, nb = K / kBlock;
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    conveyor::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         uint8_t codes[kSuper];
         float scale16[16], min16[16];
         for (int64_t n = n0; n < n1; ++n) {
@@ -850,7 +881,7 @@ void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int6
                         if (has_min(KT) && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
                     }
             }
-            for (int64_t m = 0; m < M; ++m) narrow(s[m] + (bias ? widen(bias[n]) : 0.f), y + m * N + n);
+            for (int64_t m = 0; m < M; ++m) narrow(s[m] + (bias ? widen(bias[n]) : 0.f), y + m * ldy + n);
         }
     });
 }
@@ -958,23 +989,25 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
 }
 
 template <int KT, typename T>
-void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
+void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
     const int64_t ns = K / kSuper, gbytes = ns * kx16_bytes(KT);
     group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
-        kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, N, g * kRows);
+        kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
 #endif
 
 template <typename T>
-void dispatch_kgemv(int kt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y) {
-    const QuantX X = quantize_x(x, M, K);
-    with_ktype(kt, [&](auto k) {
+void dispatch_kgemv(int kt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y,
+                    int64_t ldy) {
+    with_quantized(x, M, K, [&](const QuantX& X) {
+        with_ktype(kt, [&](auto k) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        kx16_impl<decltype(k)::value, T>(X, M, K, w, N, bias, y);
+            kx16_impl<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
 #else
-        kx16_portable<decltype(k)::value, T>(X, M, K, w, N, bias, y);
+            kx16_portable<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
 #endif
+        });
     });
 }
 
@@ -1006,11 +1039,19 @@ torch::Tensor kgemv(const torch::Tensor& x, const torch::Tensor& w, const c10::o
     const auto xf = x.to(torch::kFloat32).contiguous();
     if (x.scalar_type() == torch::kBFloat16)
         dispatch_kgemv<at::BFloat16>(kt, xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N,
-                                     bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
+                                     bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), N);
     else
         dispatch_kgemv<float>(kt, xf.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N,
-                              bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+                              bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
     return y;
+}
+
+// A quantized weight's matmul on fp32 activations (either 32-block layout or a K-quant).
+template <typename T>
+void qlinear_f32(const float* x, int64_t M, int64_t K, const torch::Tensor& w, const T* bias, T* y, int64_t ldy) {
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    if (w.dim() == 3) dispatch_kgemv<T>(ktype_of_x16(w.size(2)), x, M, K, wp, w.size(0) * kRows, bias, y, ldy);
+    else dispatch_qgemv<T>(qinfo(w, K), x, M, K, wp, bias, y, ldy);
 }
 
 }  // namespace
@@ -1037,17 +1078,17 @@ torch::Tensor qgemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tenso
         const auto* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
         auto* yp = y.data_ptr<at::BFloat16>();
         const int64_t rb = (K / kBlock) * info.qt;
-        with_qtype(info.qt, [&](auto qt) { qgemv_bf16_impl<decltype(qt)::value>(xp, M, K, wp, info.N, rb, bp, yp); });
+        with_qtype(info.qt, [&](auto qt) { qgemv_bf16_impl<decltype(qt)::value>(xp, M, K, wp, info.N, rb, bp, yp, info.N); });
         return y;
     }
 #endif
     const auto xf = x.to(torch::kFloat32).contiguous();
     if (x.scalar_type() == torch::kBFloat16)
         dispatch_qgemv<at::BFloat16>(info, xf.data_ptr<float>(), M, K, wp,
-                                     bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>());
+                                     bias ? bias->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), info.N);
     else
         dispatch_qgemv<float>(info, xf.data_ptr<float>(), M, K, wp, bias ? bias->data_ptr<float>() : nullptr,
-                              y.data_ptr<float>());
+                              y.data_ptr<float>(), info.N);
     return y;
 }
 
@@ -1101,7 +1142,53 @@ torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
 // Whether the x16 layout runs on int8 dot products here (else a scalar loop: never chosen).
 bool quant_int8_native() { return kHaveVnni; }
 
-// The matmul of a decode layer: quantized (uint8) weights to qgemv, dense ones to gemv.
-torch::Tensor linear_any(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-    return w.scalar_type() == torch::kUInt8 ? qgemv(x, w, bias) : gemv(x, w, bias);
+// A decode layer's matmul weight: its output features, after checking that linear_raw takes it
+// for activations of `dtype` (linear_raw itself checks nothing: it may run inside a decode team).
+int64_t linear_check(const torch::Tensor& w, int64_t K, at::ScalarType dtype) {
+    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 activations only");
+    if (w.scalar_type() != torch::kUInt8) {
+        TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == dtype && w.size(1) == K,
+                    "a dense weight [N, K] in the activations' dtype, contiguous");
+        return w.size(0);
+    }
+    if (w.dim() == 3) {
+        TORCH_CHECK(w.is_contiguous() && K == w.size(1) * kSuper, "a K-quant x16 weight of K ", K);
+        ktype_of_x16(w.size(2));
+        return w.size(0) * kRows;
+    }
+    return qinfo(w, K).N;
 }
+
+// y (rows ldy apart) = x W^T (+ bias) for M rows of K activations (contiguous), all in T: a
+// quantized (uint8) weight on its kernels, a dense one on the GEMV. The weight must have passed
+// linear_check. In a decode team: this thread's share of the output rows.
+template <typename T>
+void linear_raw(const T* x, int64_t M, int64_t K, const torch::Tensor& w, const T* bias, T* y, int64_t ldy) {
+    if (w.scalar_type() != torch::kUInt8) {
+        gemv_raw<T>(x, M, K, w.data_ptr<T>(), w.size(0), bias, y, ldy);
+        return;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+        qlinear_f32<float>(x, M, K, w, bias, y, ldy);
+    } else {
+#if defined(__AVX512BF16__)
+        if (w.dim() == 2) {
+            const QInfo info = qinfo(w, K);
+            if (!info.x16) {
+                with_qtype(info.qt, [&](auto qt) {
+                    qgemv_bf16_impl<decltype(qt)::value>(x, M, K, w.data_ptr<uint8_t>(), info.N, (K / kBlock) * info.qt,
+                                                         bias, y, ldy);
+                });
+                return;
+            }
+        }
+#endif
+        thread_local std::vector<float> xf;   // x widened (exactly), reused from call to call
+        if ((int64_t)xf.size() < M * K) xf.resize(M * K);
+        for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
+        qlinear_f32<T>(xf.data(), M, K, w, bias, y, ldy);
+    }
+}
+template void linear_raw<float>(const float*, int64_t, int64_t, const torch::Tensor&, const float*, float*, int64_t);
+template void linear_raw<at::BFloat16>(const at::BFloat16*, int64_t, int64_t, const torch::Tensor&, const at::BFloat16*,
+                                       at::BFloat16*, int64_t);
