@@ -61,6 +61,9 @@ class CpuFusedOps(TorchOps):
     def silu_mul(self, gate_up):
         return self.k.silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up):
+        return self.k.gelu_tanh_mul(gate_up.contiguous())
+
     def rope(self, q, k, positions, cos, sin):
         self.k.rope_(q, positions, cos, sin)
         self.k.rope_(k, positions, cos, sin)

@@ -35,6 +35,19 @@ def test_silu_mul(ops):
     torch.testing.assert_close(fused.silu_mul(gate_up), ref.silu_mul(gate_up), **TOL)
 
 
+def test_gelu_tanh_mul(ops):
+    """GeGLU (Gemma): torch's F.gelu(gate, tanh) * up; in bf16 the gelu is rounded before the
+    product, as torch does it in bf16."""
+    fused, ref = ops
+    gate_up = torch.randn(19, 2 * 48) * 4
+    torch.testing.assert_close(fused.gelu_tanh_mul(gate_up), ref.gelu_tanh_mul(gate_up), **TOL)
+    b = gate_up.bfloat16()
+    got, want = fused.gelu_tanh_mul(b), ref.gelu_tanh_mul(b)
+    assert got.dtype == torch.bfloat16
+    assert (got != want).float().mean() < 0.02   # an fp32 ulp of the tanh may round the other way
+    torch.testing.assert_close(got, want, **BF16)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 24)])
 def test_rope_in_place_on_views_of_a_fused_qkv(ops, heads, kv_heads, head_dim):
     fused, ref = ops

@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (fp32 or bf16)");
     m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm(residual) (fp32 or bf16)");
     m.def("silu_mul", &silu_mul, "silu(gate) * up on a fused [T, 2I] input (fp32 or bf16)");
+    m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate, tanh approximation) * up on a fused [T, 2I] input (GeGLU)");
     m.def("rope_", &rope_, "rotate-half RoPE in place on [T, heads, d] (fp32 or bf16)");
     m.def("write_kv", &write_kv, "write new K and V rows into the paged caches through the slot mapping");
     m.def("gemv", &gemv, "x W^T (+ b) for a few token rows, streaming a plain row-major weight (fp32 or bf16)");

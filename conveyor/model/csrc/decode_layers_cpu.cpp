@@ -9,8 +9,10 @@
 // calling thread's share of its rows, and the threads meet at a barrier where a phase needs the
 // whole of the previous one's output -- six per layer -- instead of a fork and a join per kernel
 // (~6 per layer) and a dozen tensor allocations. Work too small to share (norms, the residual,
-// the activation of the MLP) is done by every thread for itself, into its own buffers, which
-// saves the barrier it would otherwise need; RoPE and the cache writes by the first thread.
+// the MLP's activation, a quantized matmul's int8 input) is done by every thread for itself, into
+// its own buffers, which saves the barrier it would otherwise need; RoPE and the cache writes by
+// the first thread. Every buffer is made and every operand checked before the region: inside it
+// nothing allocates or throws (an exception cannot leave an OpenMP region).
 #include "kernels.h"
 #include "rowops.h"
 #include "team.h"
@@ -108,7 +110,6 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
     auto qkv = torch::empty({M, qkv_w}, opts), attn = torch::empty({M, s.q_size}, opts);
     auto o = torch::empty({M, hid}, opts), gate_up = torch::empty({M, 2 * s.max_inter}, opts);
     auto xo = torch::empty({M, hid}, opts);
-    torch::Tensor geglu;   // GeGLU's activation (torch ops, by the first thread)
     T *qkv_p = qkv.data_ptr<T>(), *attn_p = attn.data_ptr<T>(), *o_p = o.data_ptr<T>(), *gu_p = gate_up.data_ptr<T>();
     T* xo_p = xo.data_ptr<T>();
     T* res_p[2] = {res[0].data_ptr<T>(), res[1].data_ptr<T>()};
@@ -126,33 +127,58 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
         while (G % splits);
     }
     const int64_t per_item = G / splits, items = M * KVH * splits;
-    const AttnItemFn<T> attend = attn_item_kernel<T>(hd, per_item);
+    const AttnItemFn<T> attend = attn_item_kernel<T>(hd, per_item, G);
     int final_res = 0;
+    // Every thread's own buffers, made here (inside the region nothing allocates): torch's, for
+    // the same 64-byte alignment as the shared buffers whose rows the first thread computes into
+    // (a vectorized loop may take another path on another alignment, and the bits must agree).
+#if defined(_OPENMP)
+    const int slots_n = std::max(threads, omp_get_max_threads());
+#else
+    const int slots_n = 1;
+#endif
+    int64_t max_len = 1, max_k = std::max({hid, s.q_size, s.max_inter});
+    for (int64_t m = 0; m < M; ++m) max_len = std::max(max_len, lens[m]);
+    std::vector<torch::Tensor> own_h, own_r, own_xn, own_act;
+    std::vector<TeamScratch> scratch(slots_n);
+    for (int t = 0; t < slots_n; ++t) {
+        own_h.push_back(torch::empty({M, hid}, opts));
+        own_r.push_back(torch::empty({M, hid}, opts));
+        own_xn.push_back(torch::empty({std::max(M * hid, hd)}, opts));
+        own_act.push_back(torch::empty({M, s.max_inter}, opts));
+        reserve_quant(scratch[t].quant, M, max_k);
+        scratch[t].xf.resize(M * max_k);
+        scratch[t].attn.scores.reserve(per_item * max_len);
+        scratch[t].attn.acc.reserve(per_item * hd);
+        scratch[t].attn.row.reserve(hd);
+    }
+    auto own_floats = torch::empty({slots_n, 2, per_item * hd}, opts.dtype(torch::kFloat32));
 
 #if defined(_OPENMP)
 #pragma omp parallel
 #endif
     {
 #if defined(_OPENMP)
-        const conveyor::Team tm{omp_get_thread_num(), omp_get_num_threads()};
+        const int id = omp_get_thread_num(), size = omp_get_num_threads();
 #else
-        const conveyor::Team tm{0, 1};
+        const int id = 0, size = 1;
 #endif
+        const conveyor::Team tm{id, size, &scratch[id]};
         conveyor::TeamScope scope(&tm);
-        const bool first = tm.id == 0;
-        // This thread's own buffers.
-        std::vector<T> h(M * hid), r(M * hid), xn(M * hid), act(M * s.max_inter);
-        std::vector<float> qf(per_item * hd), of(per_item * hd);
-        AttnScratch scratch;
+        const bool first = id == 0;
+        T *h = own_h[id].data_ptr<T>(), *r = own_r[id].data_ptr<T>(), *xn = own_xn[id].data_ptr<T>();
+        T* act = own_act[id].data_ptr<T>();
+        float* qf = own_floats.data_ptr<float>() + 2 * id * per_item * hd;
+        float* of = qf + per_item * hd;
         const T* res_cur = x_p;   // the residual stream so far (the embeddings before the first layer)
         int next = 0;             // the shared residual buffer written next
         // h = norm(residual + src) per row, the new residual also to res_p[next] (by the first thread).
         auto add_norm = [&](const T* src, const T* w) {
-            T* rr = first ? res_p[next] : r.data();
+            T* rr = first ? res_p[next] : r;
             std::memcpy(rr, res_cur, M * hid * sizeof(T));
             for (int64_t m = 0; m < M; ++m) {
                 conveyor::add_row(rr + m * hid, src + m * hid, hid);
-                conveyor::rms_row(rr + m * hid, w, h.data() + m * hid, hid, s.eps);
+                conveyor::rms_row(rr + m * hid, w, h + m * hid, hid, s.eps);
             }
             res_cur = res_p[next];   // (read only after the next barrier, once the first thread wrote it)
             next ^= 1;
@@ -164,19 +190,19 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
             const auto& w = layers[i];
             // Input norm (the first layer: of the embeddings, which are the residual).
             if (i == 0) {
-                norm_rows(x_p, w[kInNorm].data_ptr<T>(), h.data());
+                norm_rows(x_p, w[kInNorm].data_ptr<T>(), h);
             } else {
                 const T* src = xo_p;
                 if (layers[i - 1][kMlpOutNorm].numel()) {   // Gemma: the previous MLP's output normed
-                    norm_rows(xo_p, layers[i - 1][kMlpOutNorm].data_ptr<T>(), xn.data());
-                    src = xn.data();
+                    norm_rows(xo_p, layers[i - 1][kMlpOutNorm].data_ptr<T>(), xn);
+                    src = xn;
                 }
                 add_norm(src, w[kInNorm].data_ptr<T>());
             }
             // q/k/v: pieces of different types side by side, their bias added once afterwards.
             const bool pieces = w[kQkvB].numel() > 0;
             for (int p = 0, col = 0; p < 3 && widths[i].qkv[p]; col += widths[i].qkv[p++])
-                linear_raw<T>(h.data(), M, hid, w[p == 0 ? kQkv : p == 1 ? kQkvB : kQkvC],
+                linear_raw<T>(h, M, hid, w[p == 0 ? kQkv : p == 1 ? kQkvB : kQkvC],
                               pieces ? nullptr : ptr_or_null<T>(w[kQkvBias]), qkv_p + col, qkv_w);
             barrier();
             // q/k norms, RoPE, the new K/V rows into the cache.
@@ -195,8 +221,8 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
                     for (int64_t j = 0; j < H + KVH; ++j) {
                         T* v = row + j * hd;
                         if (qn) {
-                            conveyor::rms_row(v, j < H ? qn : kn, xn.data(), hd, s.eps);
-                            std::memcpy(v, xn.data(), hd * sizeof(T));
+                            conveyor::rms_row(v, j < H ? qn : kn, xn, hd, s.eps);
+                            std::memcpy(v, xn, hd * sizeof(T));
                         }
                         conveyor::rope_row(v, cp + pos[m] * half, sp + pos[m] * half, half);
                     }
@@ -218,8 +244,8 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
                         const T* qs = qkv_p + seq * qkv_w + q0 * hd;
                         for (int64_t k = 0; k < per_item * hd; ++k) qf[k] = widen(qs[k]);
                         const int64_t len = lens[seq], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-                        attend(qf.data(), kc + kvh * head_stride, vc + kvh * head_stride, table + seq * mb, start, len, bs,
-                               hd, per_item, of.data(), s.scale, scratch);
+                        attend(qf, kc + kvh * head_stride, vc + kvh * head_stride, table + seq * mb, start, len, bs,
+                               hd, per_item, of, s.scale, tm.scratch->attn);
                         T* out = attn_p + seq * s.q_size + q0 * hd;
                         for (int64_t k = 0; k < per_item * hd; ++k) narrow(of[k], out + k);
                     }
@@ -231,25 +257,19 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
             // Post-attention norm (Gemma: the attention output normed first).
             const T* src = o_p;
             if (w[kAttnOutNorm].numel()) {
-                norm_rows(o_p, w[kAttnOutNorm].data_ptr<T>(), xn.data());
-                src = xn.data();
+                norm_rows(o_p, w[kAttnOutNorm].data_ptr<T>(), xn);
+                src = xn;
             }
             add_norm(src, w[kPostNorm].data_ptr<T>());
             const int64_t inter = widths[i].inter, gu = 2 * inter;
-            linear_raw<T>(h.data(), M, hid, w[kGateUp], ptr_or_null<T>(w[kGateUpBias]), gu_p, gu);
+            linear_raw<T>(h, M, hid, w[kGateUp], ptr_or_null<T>(w[kGateUpBias]), gu_p, gu);
             barrier();
-            const T* a = act.data();
-            if (s.gelu) {   // GeGLU with torch's gelu (the Python loop's op), by the first thread
-                if (first) {
-                    auto halves = torch::from_blob(gu_p, {M, gu}, opts).chunk(2, -1);
-                    geglu = (at::gelu(halves[0], "tanh") * halves[1]).contiguous();
-                }
-                barrier();
-                a = geglu.data_ptr<T>();
-            } else {
-                for (int64_t m = 0; m < M; ++m) conveyor::silu_mul_row(gu_p + m * gu, gu_p + m * gu + inter, act.data() + m * inter, inter);
+            for (int64_t m = 0; m < M; ++m) {   // the MLP's activation, every thread for itself
+                const T* g = gu_p + m * gu;
+                if (s.gelu) conveyor::gelu_tanh_mul_row(g, g + inter, act + m * inter, inter);
+                else conveyor::silu_mul_row(g, g + inter, act + m * inter, inter);
             }
-            linear_raw<T>(a, M, inter, w[kDown], ptr_or_null<T>(w[kDownBias]), xo_p, hid);
+            linear_raw<T>(act, M, inter, w[kDown], ptr_or_null<T>(w[kDownBias]), xo_p, hid);
             barrier();
         }
         if (first) final_res = res_cur == res_p[0] ? 0 : 1;
@@ -293,7 +313,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
             TORCH_CHECK(c->is_contiguous() && c->scalar_type() == dt && c->dim() == 4 && c->size(0) == num_kv_heads &&
                             c->size(3) == head_dim, "caches [kv heads, blocks, block size, head dim] in the activations' dtype");
         for (const auto* t : {&cos[i], &sin[i]})
-            TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat32 && t->size(-1) == head_dim / 2,
+            TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat32 && t->dim() == 2 &&
+                            t->size(1) == head_dim / 2 && t->size(0) == cos[i].size(0),
                         "fp32 RoPE tables [positions, head_dim / 2]");
     }
     auto pos = positions.to(torch::kInt64).contiguous();
@@ -301,8 +322,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     TORCH_CHECK(pos.numel() == s.M && lens.numel() == s.M, "one position and context length per token");
     const int64_t* pp = pos.data_ptr<int64_t>();
     const int64_t* lp = lens.data_ptr<int64_t>();
+    int64_t table_len = cos[0].size(0);
+    for (const auto& c : cos) table_len = std::min(table_len, c.size(0));
     for (int64_t m = 0; m < s.M; ++m)
-        TORCH_CHECK(pp[m] >= 0 && pp[m] < cos[0].size(0) && lp[m] > 0, "position beyond the RoPE table or empty context");
+        TORCH_CHECK(pp[m] >= 0 && pp[m] < table_len && lp[m] > 0, "position beyond the RoPE tables or empty context");
     for (size_t t = 0; t < slot_mappings.size(); ++t) {
         slot_mappings[t] = slot_mappings[t].to(torch::kInt64).contiguous();
         block_tables[t] = block_tables[t].to(torch::kInt64).contiguous();

@@ -14,6 +14,7 @@
 namespace {
 
 using conveyor::add_row;
+using conveyor::gelu_tanh_mul_row;
 using conveyor::narrow;
 using conveyor::rms_row;
 using conveyor::rope_row;
@@ -44,15 +45,16 @@ void add_rms_norm_impl(const torch::Tensor& x, torch::Tensor& residual, const to
     });
 }
 
-template <typename T>
-void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+template <typename T, bool Gelu>
+void act_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
     const int64_t two_i = gate_up.size(-1), inter = two_i / 2, rows = gate_up.numel() / two_i;
     const T* gp = gate_up.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {
             const T* g = gp + r * two_i;
-            silu_mul_row(g, g + inter, op + r * inter, inter);
+            if constexpr (Gelu) gelu_tanh_mul_row(g, g + inter, op + r * inter, inter);
+            else silu_mul_row(g, g + inter, op + r * inter, inter);
         }
     });
 }
@@ -100,15 +102,25 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
     return out;
 }
 
-// gate_up: [T, 2I] -> silu(gate) * up: [T, I]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+namespace {
+
+template <bool Gelu>
+torch::Tensor act_mul(const torch::Tensor& gate_up) {
     check(gate_up);
-    TORCH_CHECK(gate_up.is_contiguous(), "contiguous");
+    TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "contiguous [T, 2I]");
     auto out = torch::empty({gate_up.numel() / gate_up.size(-1), gate_up.size(-1) / 2}, gate_up.options());
-    if (gate_up.scalar_type() == torch::kFloat32) silu_mul_impl<float>(gate_up, out);
-    else silu_mul_impl<at::BFloat16>(gate_up, out);
+    if (gate_up.scalar_type() == torch::kFloat32) act_mul_impl<float, Gelu>(gate_up, out);
+    else act_mul_impl<at::BFloat16, Gelu>(gate_up, out);
     return out;
 }
+
+}  // namespace
+
+// gate_up: [T, 2I] -> silu(gate) * up: [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) { return act_mul<false>(gate_up); }
+
+// gate_up: [T, 2I] -> gelu_tanh(gate) * up: [T, I] (GeGLU)
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) { return act_mul<true>(gate_up); }
 
 // Rotate-half RoPE in place on x: [T, heads, d] (rows may be strided views of a fused qkv
 // output: stride(0) is honoured, heads and d must be dense). cos/sin: [max_pos, d/2] fp32.

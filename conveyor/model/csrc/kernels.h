@@ -12,6 +12,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping);
@@ -48,12 +49,32 @@ int64_t linear_check(const torch::Tensor& w, int64_t K, at::ScalarType dtype);
 struct AttnScratch {
     std::vector<float> scores, acc, row;
 };
+
+// A matmul's activations as two int8 terms per block of 32 (quant_cpu.cpp, quantize_into):
+// q, q2 and per block their scales d, d2, the exact sum of x, and the sums of q, q2 (over the
+// block and its first 16).
+struct QuantActs {
+    std::vector<int8_t> q, q2;
+    std::vector<float> d, d2, sum;
+    std::vector<int32_t> qsum, qsum2, qsum_lo, qsum2_lo;
+};
+// Grows X's buffers to hold M rows of K activations (no allocation when they already do).
+void reserve_quant(QuantActs& X, int64_t M, int64_t K);
+
+// The buffers a thread of a decode team reuses inside the region, sized before it starts so that
+// nothing in the region allocates (decode_layers_cpu.cpp).
+struct TeamScratch {
+    QuantActs quant;          // a quantized matmul's input as int8 terms
+    std::vector<float> xf;    // a bf16 input widened for the quantized kernels
+    AttnScratch attn;
+};
 // Decode attention of G query heads (qs: G rows of d, fp32) sharing one KV head (kh, vh: that
 // head of the caches [num_blocks, block_size, d]) for one sequence (table: its block table)
 // over its tokens [first, L): fp32 outputs, G rows of d, to out.
 template <typename T>
 using AttnItemFn = void (*)(const float* qs, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t L,
                             int64_t bs, int64_t d, int64_t G, float* out, float scale, AttnScratch& scratch);
-// The kernel paged_decode uses for G query heads per KV head of d dims.
+// The kernel for `heads` of the G query heads of a KV head of d dims, giving each head the bits
+// paged_decode gives it (which computes all G together).
 template <typename T>
-AttnItemFn<T> attn_item_kernel(int64_t d, int64_t G);
+AttnItemFn<T> attn_item_kernel(int64_t d, int64_t heads, int64_t G);

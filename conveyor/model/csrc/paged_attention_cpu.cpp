@@ -186,6 +186,14 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
 
 #endif
 
+template <typename T>
+AttnItemFn<T> portable_kernel(int64_t d) {
+    if (d == 64) return &decode_item<T, 64>;
+    if (d == 256) return &decode_item<T, 256>;
+    if (d == 128) return &decode_item<T, 128>;
+    return &decode_item<T, 0>;
+}
+
 // The kernel for G query heads per KV head of d dims: register-blocked for common shapes (the
 // accumulators must fit in registers), else the portable loop.
 template <typename T>
@@ -204,10 +212,7 @@ AttnItemFn<T> item_kernel(int64_t d, int64_t G) {
     if (d == 128 && G == 1) return &decode_item_avx512<T, 128, 1>;
     if (d == 128 && G == 2) return &decode_item_avx512<T, 128, 2>;
 #endif
-    if (d == 64) return &decode_item<T, 64>;
-    if (d == 256) return &decode_item<T, 256>;
-    if (d == 128) return &decode_item<T, 128>;
-    return &decode_item<T, 0>;
+    return portable_kernel<T>(d);
 }
 
 template <typename T>
@@ -228,12 +233,14 @@ void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, c
 
 }  // namespace
 
+// The two kernels round differently (the register-blocked one scales q before its dot products),
+// so a share of a KV head's G query heads takes the kernel paged_decode takes for all G.
 template <typename T>
-AttnItemFn<T> attn_item_kernel(int64_t d, int64_t G) {
-    return item_kernel<T>(d, G);
+AttnItemFn<T> attn_item_kernel(int64_t d, int64_t heads, int64_t G) {
+    return item_kernel<T>(d, G) == portable_kernel<T>(d) ? portable_kernel<T>(d) : item_kernel<T>(d, heads);
 }
-template AttnItemFn<float> attn_item_kernel<float>(int64_t, int64_t);
-template AttnItemFn<at::BFloat16> attn_item_kernel<at::BFloat16>(int64_t, int64_t);
+template AttnItemFn<float> attn_item_kernel<float>(int64_t, int64_t, int64_t);
+template AttnItemFn<at::BFloat16> attn_item_kernel<at::BFloat16>(int64_t, int64_t, int64_t);
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window) {

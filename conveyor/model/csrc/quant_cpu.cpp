@@ -358,11 +358,7 @@ void repack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
 // max|x| / 64516 per block, below bf16's. Each term is its own dot product with the same codes.
 // qsum, qsum2: sums of q, q2 (the codes' offset); qsum_lo, qsum2_lo: the same over the block's
 // first 16 (Q6_K's scales are per 16 weights); sum: the exact sum of x (Q4_1's, Q4_K's minimum).
-struct QuantX {
-    std::vector<int8_t> q, q2;
-    std::vector<float> d, d2, sum;
-    std::vector<int32_t> qsum, qsum2, qsum_lo, qsum2_lo;
-};
+using QuantX = QuantActs;   // (kernels.h)
 
 // One block of 32 activations (r: its index in the QuantX arrays).
 inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
@@ -424,11 +420,10 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
     X.sum[r] = sum;
 }
 
-// x's M rows of K quantized into X. In a decode team every thread quantizes all of x for itself,
-// into buffers of its own that it keeps from call to call (a decode step's few tokens: no
-// allocation once they are large enough); elsewhere into a fresh X (a prefill's can be tens of MB).
-void quantize_into(const float* x, int64_t M, int64_t K, QuantX& X) {
-    const int64_t nb = K / kBlock, n = M * nb;
+}  // namespace
+
+void reserve_quant(QuantActs& X, int64_t M, int64_t K) {
+    const int64_t n = M * (K / kBlock);
     if ((int64_t)X.q.size() < M * K) {
         X.q.resize(M * K);
         X.q2.resize(M * K);
@@ -437,6 +432,16 @@ void quantize_into(const float* x, int64_t M, int64_t K, QuantX& X) {
         for (auto* v : {&X.d, &X.d2, &X.sum}) v->resize(n);
     if ((int64_t)X.qsum.size() < n)
         for (auto* v : {&X.qsum, &X.qsum2, &X.qsum_lo, &X.qsum2_lo}) v->resize(n);
+}
+
+namespace {
+
+// x's M rows of K quantized into X. In a decode team every thread quantizes all of x for itself,
+// into its own buffers (sized before the region); elsewhere into a fresh X (a prefill's can be
+// tens of MB, not to be kept).
+void quantize_into(const float* x, int64_t M, int64_t K, QuantX& X) {
+    const int64_t n = M * (K / kBlock);
+    reserve_quant(X, M, K);
     if (conveyor::team()) {
         for (int64_t r = 0; r < n; ++r) quantize_block(x + r * kBlock, X, r);
     } else {
@@ -449,8 +454,8 @@ void quantize_into(const float* x, int64_t M, int64_t K, QuantX& X) {
 // Calls f(X) with x quantized (see quantize_into for where X lives).
 template <typename F>
 inline void with_quantized(const float* x, int64_t M, int64_t K, F&& f) {
-    if (conveyor::team()) {
-        thread_local QuantX own;   // (named here, in the thread that uses it: a lambda would not capture it)
+    if (const conveyor::Team* tm = conveyor::team()) {
+        QuantX& own = tm->scratch->quant;
         quantize_into(x, M, K, own);
         f(static_cast<const QuantX&>(own));
     } else {
@@ -858,8 +863,11 @@ void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int6
     conveyor::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         uint8_t codes[kSuper];
         float scale16[16], min16[16];
+        float sbuf[kMaxM];
+        std::vector<float> big;   // (more tokens than a decode team's pass: outside one)
+        float* s = M <= kMaxM ? sbuf : (big.resize(M), big.data());
         for (int64_t n = n0; n < n1; ++n) {
-            std::vector<float> s(M, 0.f);
+            std::fill(s, s + M, 0.f);
             for (int64_t sb = 0; sb < ns; ++sb) {
                 kx16_row<KT>(w, ns, n, sb, codes, scale16, min16);
                 for (int64_t m = 0; m < M; ++m)
@@ -1183,7 +1191,9 @@ void linear_raw(const T* x, int64_t M, int64_t K, const torch::Tensor& w, const 
             }
         }
 #endif
-        thread_local std::vector<float> xf;   // x widened (exactly), reused from call to call
+        std::vector<float> local;   // outside a team (a team thread's buffer is sized before its region)
+        const conveyor::Team* tm = conveyor::team();
+        std::vector<float>& xf = tm ? tm->scratch->xf : local;
         if ((int64_t)xf.size() < M * K) xf.resize(M * K);
         for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
         qlinear_f32<T>(xf.data(), M, K, w, bias, y, ldy);

@@ -1,7 +1,8 @@
 // Row kernels shared by the standalone fused ops (fused_ops_cpu.cpp) and the decode loop
 // (decode_layers_cpu.cpp): one definition, so both give the same bits. fp32 or bf16 storage,
-// fp32 math. Out of line (noinline): inlined into different callers the compiler may vectorize a
-// reduction differently, and the two paths must agree to the bit.
+// fp32 math. Out of line and opaque to interprocedural optimization (noipa: no inlining, no
+// specialized clones): compiled into different callers the compiler may vectorize a reduction
+// differently, and the two paths must agree to the bit.
 #pragma once
 
 #include "cpu_vec.h"
@@ -9,7 +10,11 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__clang__)
 #define CONVEYOR_ROW __attribute__((noinline))
+#else
+#define CONVEYOR_ROW __attribute__((noipa))
+#endif
 
 namespace conveyor {
 
@@ -52,6 +57,20 @@ CONVEYOR_ROW void silu_mul_row(const T* __restrict g, const T* __restrict u, T* 
     for (int64_t i = 0; i < n; ++i) {
         const float gv = widen(g[i]);
         narrow(gv / (1.f + std::exp(-gv)) * widen(u[i]), out + i);
+    }
+}
+
+// out = gelu_tanh(g) * u over n values (GeGLU), the gelu rounded to T before the product, as torch
+// computes F.gelu(gate, approximate="tanh") * up in T.
+template <typename T>
+CONVEYOR_ROW void gelu_tanh_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict out, int64_t n) {
+    constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;   // sqrt(2 / pi)
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = widen(g[i]);
+        T gl;
+        narrow(0.5f * x * (1.f + std::tanh(kBeta * (x + kKappa * x * x * x))), &gl);
+        narrow(widen(gl) * widen(u[i]), out + i);
     }
 }
 

@@ -11,11 +11,14 @@
 #include <algorithm>
 #include <cstdint>
 
+struct TeamScratch;   // kernels.h
+
 namespace conveyor {
 
 struct Team {
-    int id;     // this thread's index in the region
-    int size;   // threads in the region
+    int id;                 // this thread's index in the region
+    int size;               // threads in the region
+    TeamScratch* scratch;   // this thread's buffers, sized before the region
 };
 
 // The team of the calling thread, or null outside one (set by decode_layers for its region).
