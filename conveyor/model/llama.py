@@ -189,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_lm_head: CpuLinear | QuantLinear | None = None
         self.fused_decode_tokens = 0   # decode steps of up to this many tokens run all layers in one C++ call
         self._fused_weights: list[list[torch.Tensor]] = []
+        self._fused_windows: list[int] = []
         self.requires_grad_(False)
 
     def lm_head_weight(self) -> torch.Tensor | None:
@@ -332,6 +333,7 @@ class LlamaForCausalLM(nn.Module):
                 and isinstance(self.ops, CpuFusedOps):
             self.fused_decode_tokens = width
             self._fused_weights = [self._layer_tensors(layer) for layer in self.layers]
+            self._fused_windows = [layer.self_attn.window for layer in self.layers]
 
     def dispatch_thresholds(self) -> dict[str, int]:
         """The token counts where this model's kernel path changes (a step of up to N tokens takes
@@ -367,10 +369,13 @@ class LlamaForCausalLM(nn.Module):
         """The layer loop of a decode step in one C++ call (same kernels, same order, same numbers)."""
         cfg, group = self.cfg, meta.decodes[0]
         metas = meta.layers or [meta]   # (layer groups: each its slots and block tables)
+        # The RoPE tables of the one or two distinct rotary modules, read once (a module attribute
+        # per layer cost ~40 us a step); read each step, since a module may rebuild them.
+        tables = {id(r): (r.cos, r.sin) for r in (self.rope, self.rope_local) if r is not None}
+        cos, sin = zip(*(tables[id(r)] for r in self._ropes))
         return self.attn_backend.kernels.decode_layers(
             x, self._fused_weights, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], positions,
-            [r.cos for r in self._ropes], [r.sin for r in self._ropes],
-            [layer.self_attn.window for layer in self.layers], [m.slot_mapping for m in metas],
+            list(cos), list(sin), self._fused_windows, [m.slot_mapping for m in metas],
             [m.decodes[0].block_tables for m in metas], group.context_lens, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
             self.attn_backend.scale, cfg.hidden_act != "silu")
 
