@@ -37,13 +37,25 @@ class DecodeGroup:
 
     start: int                  # offset of the group's first token in the flattened batch
     block_tables: torch.Tensor  # [D, max_blocks] long (padded with 0)
-    bias: torch.Tensor          # [1, D, 1, max_context] float: 0, or -inf past a sequence's end
     max_context: int
     context_lens: torch.Tensor  # [D] long
+    _bias: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.block_tables.shape[0]
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """[1, D, 1, max_context] float: 0, or -inf past a sequence's end -- for the torch path's
+        padded attention, made on first use: the C++ kernel reads the lengths, and a mask built every
+        step would cost in proportion to how long the sequences have run."""
+        if self._bias is None:
+            pos = torch.arange(self.max_context, device=self.context_lens.device)
+            past = pos[None, :] >= self.context_lens[:, None]   # [D, max_context]
+            self._bias = torch.zeros(past.shape, dtype=torch.float32, device=pos.device) \
+                .masked_fill_(past, float("-inf")).view(1, self.size, 1, -1)
+        return self._bias
 
 
 @dataclass(slots=True)

@@ -85,7 +85,7 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
             first = n_pref - int(starts[n_pref])   # a decode group's first row: first + its start
             groups = [DecodeGroup(d.start, torch.from_numpy(np.ascontiguousarray(
                 tables[first + d.start:first + d.start + d.size, :d.block_tables.shape[1]])).to(device),
-                d.bias, d.max_context, d.context_lens) for d in like.decodes]
+                d.max_context, d.context_lens) for d in like.decodes]
         return AttentionMetadata(torch.from_numpy(slots).to(device), block_size, int(starts[n_pref]), prefills,
                                  groups)
 
@@ -138,9 +138,7 @@ def _decode_groups(ctx: np.ndarray, tables: np.ndarray, start: int, block_size: 
         g_ctx = ctx[lo:hi]
         max_ctx = int(g_ctx[0])
         nb = -(-max_ctx // block_size)
-        bias = np.where(np.arange(max_ctx)[None, :] < g_ctx[:, None], 0.0, -np.inf).astype(np.float32)
         groups.append(DecodeGroup(
-            start + lo, torch.from_numpy(np.ascontiguousarray(tables[lo:hi, :nb])).to(device),
-            torch.from_numpy(bias).to(device).view(1, hi - lo, 1, max_ctx), max_ctx,
+            start + lo, torch.from_numpy(np.ascontiguousarray(tables[lo:hi, :nb])).to(device), max_ctx,
             torch.from_numpy(np.ascontiguousarray(g_ctx)).to(device)))
     return groups
