@@ -90,8 +90,16 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             w.copy_(torch.randn(w.shape, generator=g))
 
 
+# Shapes that reach the attention kernels' register-blocked paths (head_dim 64 and 128; the families
+# above take the portable one), one KV head: for the kernel tests only, not every family's test.
+KERNEL_FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "mqa_hd64": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64)),
+    "mqa_hd128": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=128)),
+}
+
+
 def make_hf_model(family: str, seed: int = 0):
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else KERNEL_FAMILIES[family]
     torch.manual_seed(seed)
     hf_cfg = cfg_cls(**{**_COMMON, **extra})
     model = model_cls(hf_cfg).float().eval()

@@ -96,14 +96,16 @@ def test_fused_decode_equals_python_layer_loop(tiny_models, name, dtype, monkeyp
     _check_fused_decode(tiny_models, name, dtype, monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "mistral", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral", "qwen3", "gemma3", "mqa_hd64", "mqa_hd128"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_with_two_threads_equals_python_layer_loop(tiny_models, name, dtype, monkeypatch):
     """The fused loop is one parallel region whose threads share out every kernel's rows and the
-    attention's heads (by KV head, or by query head when there are too few KV heads to share) and
-    meet at barriers: with two threads (the rest of this directory runs on one) it still gives the
-    Python loop's bits. GQA (Mistral's one KV head: odd batches share the attention by query head),
-    q/k norms, and Gemma's GeGLU, extra norms and windows."""
+    attention's heads (by KV head, or a KV head's query heads split when there are fewer KV heads
+    than threads) and meet at barriers: with two threads (the rest of this directory runs on one) it
+    still gives the Python loop's bits. GQA (one KV head: odd batches split the query heads), q/k
+    norms, Gemma's GeGLU, extra norms and windows, and head sizes 64 and 128, where the attention
+    has register-blocked kernels (128 with 4 query heads a KV head: the whole group takes the
+    portable kernel, so a split share must too)."""
     prev = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
