@@ -11,7 +11,6 @@ from the replay socket; the cache salt rides in extra_keys; swapped blocks move 
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
 
+from conveyor.bench.serve import free_port  # noqa: E402
 from conveyor.sampling.params import SamplingParams  # noqa: E402
 
 from engine_testlib import run_all  # noqa: E402
@@ -29,12 +29,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 # ---- a subscriber written from the documented format ------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def subscribe(port: int):
     sub = zmq.Context.instance().socket(zmq.SUB)

@@ -20,6 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conveyor.bench.serve import free_port  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,12 +39,6 @@ def _server_conftest():
     return mod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def local_server():
     import torch
@@ -59,7 +54,7 @@ def local_server():
 def _free_ports(n: int) -> int:
     """A base port with base..base+n-1 all free (KV events: each replica binds the configured port + its rank)."""
     while True:
-        base = _free_port()
+        base = free_port()
         try:
             for k in range(1, n):
                 with socket.socket() as s:
@@ -87,7 +82,7 @@ def ray_serve():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_application(config, num_replicas=2, num_cpus=1), name="conveyor", route_prefix="/")

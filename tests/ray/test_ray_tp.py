@@ -8,13 +8,13 @@ tokens and logprobs, and removes the group when closed.
 
 from __future__ import annotations
 
-import socket
 
 import openai
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from conveyor.bench.serve import free_port  # noqa: E402
 from conveyor.config import EngineConfig  # noqa: E402
 from conveyor.engine.llm import LLM  # noqa: E402
 from conveyor.sampling.params import SamplingParams  # noqa: E402
@@ -24,12 +24,6 @@ pytestmark = pytest.mark.slow
 OPTIONS = dict(dtype="float32", num_kv_blocks=128, max_num_seqs=8, cost_model="none", torch_threads=1)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +58,7 @@ def test_serve_replica_with_ranks_on_two_nodes(cluster, single):
     from conveyor.ray.serve import build_application
 
     config = EngineConfig.from_options(**OPTIONS, tensor_parallel_size=2, distributed_executor_backend="ray")
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         serve.run(build_application(config, num_replicas=1, num_cpus=1), name="conveyor", route_prefix="/")

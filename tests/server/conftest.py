@@ -6,7 +6,6 @@ KV cache, scheduler and engine thread).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,17 +17,12 @@ import pytest
 import torch
 import uvicorn
 
+from conveyor.bench.serve import free_port  # noqa: F401 - the server tests import it from here
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.engine.stats import EngineStats
 from conveyor.model.loader import LoadedModel, load_model
 from conveyor.server.app import build_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -128,7 +128,6 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
     }
     const int64_t per_item = G / splits, items = M * KVH * splits;
     const AttnItemFn<T> attend = attn_item_kernel<T>(hd, per_item, G);
-    int final_res = 0;
     // Every thread's own buffers, made here (inside the region nothing allocates): torch's, for
     // the same 64-byte alignment as the shared buffers whose rows the first thread computes into
     // (a vectorized loop may take another path on another alignment, and the bits must agree).
@@ -272,11 +271,12 @@ std::tuple<torch::Tensor, torch::Tensor> run_layers(
             linear_raw<T>(act, M, inter, w[kDown], ptr_or_null<T>(w[kDownBias]), xo_p, hid);
             barrier();
         }
-        if (first) final_res = res_cur == res_p[0] ? 0 : 1;
     }
     torch::Tensor out = xo;
     if (layers.back()[kMlpOutNorm].numel()) out = rms_norm(xo, layers.back()[kMlpOutNorm], s.eps);
-    return {out, res[final_res]};
+    // The first layer adds to the residual once, every later one twice: 2L - 1 writes alternating
+    // from res[0], so the last one went to res[0].
+    return {out, res[0]};
 }
 
 }  // namespace
