@@ -18,12 +18,16 @@ loaded first and measured in the same rounds. Variants of each engine, switched 
 
 The issue's bar: step <= 1.5x the floor.
 
-    python benchmarks/decode_b1.py [--dtypes float32,bfloat16] [--quantization none,auto]
+    python benchmarks/decode_b1.py [--dtypes float32,bfloat16] [--quantization none,auto] [--bf16-kernels]
+
+``--bf16-kernels``: bf16 on the GGUF as stored twice, on the int8 kernel and on the bf16-rounding
+kernel (``CONVEYOR_QUANT_BF16``; the CPU's flags choose one of them by default), in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -103,6 +107,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--quantization", default="none,auto", help="GGUF weights dequantized (none), as stored (auto)")
+    ap.add_argument("--bf16-kernels", action="store_true",
+                    help="bf16 as stored on both quantized kernels (int8 and bf16-rounding), in the same rounds")
     args = ap.parse_args()
     x = torch.ones((1 << 30) // 4)
     x.sum()
@@ -110,10 +116,15 @@ def main() -> None:
     # speed drifts by 2x within an hour): rows of one run compare, and so do per-round ratios.
     setups = {}
     for dtype, quant in [(d, q) for d in args.dtypes.split(",") for q in args.quantization.split(",")]:
-        engine = Engine(EngineConfig(dtype=dtype, quantization=quant, cost_model="none"))
-        plans = _Plans(engine)
-        key = dtype if quant == "none" else f"{dtype}/quantized"
-        setups[key] = (engine, plans.plan([plans.seq(128, 1)]), Variants(engine), weight_bytes(engine))
+        kernels = ["int8", "bf16"] if args.bf16_kernels and dtype == "bfloat16" and quant != "none" else [None]
+        for kernel in kernels:
+            if kernel:   # read when the model is built
+                os.environ["CONVEYOR_QUANT_BF16"] = kernel
+            engine = Engine(EngineConfig(dtype=dtype, quantization=quant, cost_model="none"))
+            os.environ.pop("CONVEYOR_QUANT_BF16", None)
+            plans = _Plans(engine)
+            key = dtype if quant == "none" else f"{dtype}/quantized" + (f" ({kernel} kernel)" if kernel else "")
+            setups[key] = (engine, plans.plan([plans.seq(128, 1)]), Variants(engine), weight_bytes(engine))
     bws, steps = [], {key: {n: [] for n in v.names()} for key, (_, _, v, _) in setups.items()}
     for _ in range(ROUNDS):
         bws.append(bandwidth(x))
@@ -129,7 +140,7 @@ def main() -> None:
                          name: {"step_ms": 1e3 * statistics.median(ts),
                                 "ratio": statistics.median(t * bw / wbytes for t, bw in zip(ts, bws))}
                          for name, ts in steps[key].items()}}
-        dense = key.removesuffix("/quantized")
+        dense = key.split("/")[0]
         if dense != key and dense in steps:   # the quantized step against the dense one, round by round
             last, dense_last = list(steps[key])[-1], list(steps[dense])[-1]
             rows[key]["speedup_vs_dense"] = statistics.median(

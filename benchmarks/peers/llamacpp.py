@@ -8,9 +8,9 @@ Build llama.cpp once with `benchmarks/peers/setup_llamacpp.sh` (~10 minutes). Th
   empty prompt, the mean over its own repetitions).
 - Conveyor: one request of a 1-token prompt and 128 greedy tokens (ignore_eos) through
   `LLM.generate` in a fresh process per configuration, the median of 3 repetitions after a
-  warm-up: the weights as stored (`--quantization auto`) in fp32 and in the default dtype, and
+  warm-up: the weights as stored (`--quantization auto`) in fp32, and
   the dequantized fp32 model (`--quantization none`) for the ratio llama.cpp's Q4-vs-F32 is; and bf16
-  with the bf16-rounding kernel (`CONVEYOR_QUANT_BF16=bf16`, what AMX CPUs run) beside the default.
+  on both quantized kernels (`CONVEYOR_QUANT_BF16=int8` and `=bf16`; the CPU's flags choose one by default).
 Rounds alternate the order of the engines. Writes benchmarks/results/llamacpp.json and a line
 in docs/benchmarks.md, with the CPU model and flags (llamacpp_<file stem>.json for other files).
 """
@@ -33,9 +33,10 @@ from common import save  # noqa: E402
 
 BENCH = HERE / ".llamacpp" / "bin" / "llama-bench"
 OUR_PY = ROOT / ".venv" / "bin" / "python"
-# name -> (dtype, quantization, CONVEYOR_QUANT_BF16 or None). On a VNNI CPU without AMX a bf16 model
-# multiplies the 32-blocks with int8 activations; "bf16 kernel" is the bf16-rounding kernel instead.
-CONFIGS = {"conveyor as stored, fp32": ("float32", "auto", None), "conveyor as stored, auto dtype": ("auto", "auto", None),
+# name -> (dtype, quantization, CONVEYOR_QUANT_BF16 or None). bf16 runs on both quantized kernels: the
+# int8 one (int8 activations) and the bf16-rounding one; the CPU's flags choose one by default.
+CONFIGS = {"conveyor as stored, fp32": ("float32", "auto", None),
+           "conveyor as stored, bf16 int8 kernel": ("bfloat16", "auto", "int8"),
            "conveyor as stored, bf16 kernel": ("bfloat16", "auto", "bf16"),
            "conveyor dequantized, fp32": ("float32", "none", None)}
 
