@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,7 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     with activations rounded to int8 per block (`int8_activations`; None: as
     ``quant.int8_activations_for`` decides for `dtype` on this CPU) or in the model's dtype."""
     from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_for, int8_activations_native
-    from conveyor.model.attention import make_attention_backend
+    from conveyor.model.attention import CpuPagedAttention, make_attention_backend
     from conveyor.model.gguf_loader import fused_group_key
     from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
     from conveyor.model.ops import make_ops
@@ -141,9 +142,7 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     # Taken out of `weights` (the caller's dict): use_quantized drops each file block once it is
     # concatenated or reordered, so that loading does not hold the model twice.
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, QuantTensor)]}
-    # Int8 activations for fp32 models, and bf16 ones except on AMX CPUs (quant.int8_activations_for):
-    # there a bf16 model multiplies bf16-rounded weights on every path (quantized kernel, dense copy),
-    # so that its numbers do not depend on the step's size.
+    # Int8 activations for fp32 and bf16 models where the CPU has VNNI (quant.int8_activations_for).
     int8 = int8_activations_for(dtype) if int8_activations is None else int8_activations
     k_quants = int8_activations is not False and int8_activations_native()
     for k in [k for k, w in quant.items() if w.is_k and not (k_quants and w.out_features % 16 == 0)]:
@@ -172,7 +171,23 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
         configure_gemv_prefetch(dtype, dense + ([head] if head is not None else []))
     if any(packed.values()) or gemv_max or quantized:
         model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
+    if isinstance(backend, CpuPagedAttention):
+        backend.rowwise_prefill = batch_invariant_attention(model)
     return model.eval()
+
+
+def batch_invariant_attention(model: LlamaForCausalLM) -> bool:
+    """Whether prompts' attention runs through the decode kernel, query by query, so that a token's
+    numbers do not depend on how it was scheduled (docs/models.md, "Batch invariance"): by default
+    where the matmuls are row-invariant too (``quant.row_invariant_matmuls``: the int8 kernel), the
+    only case where that makes the whole model invariant. ``CONVEYOR_BATCH_INVARIANT=on|off``
+    overrides (on: dense models too; their matmuls stay step-size dependent)."""
+    from conveyor.model.quant import row_invariant_matmuls
+
+    forced = os.environ.get("CONVEYOR_BATCH_INVARIANT", "auto")
+    if forced not in ("auto", "on", "off"):
+        raise ValueError(f"CONVEYOR_BATCH_INVARIANT={forced!r}: expected auto, on or off")
+    return forced == "on" if forced != "auto" else row_invariant_matmuls(model)
 
 
 def model_directory(path: Path, weights: bool = True) -> Path:

@@ -5,11 +5,11 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
 (fp32). Which kernel, by the activations' dtype (docs/models.md):
 
-- fp32, and bf16 without AMX, on CPUs with AVX512-VNNI (``int8_activations_for``): the blocks
+- fp32 and bf16 on CPUs with AVX512-VNNI (``int8_activations_for``): the blocks
   reordered once into 16-row groups (``for_int8``, the same bytes) and int8 dot products, the
   activations split per block into two int8 terms; every step size, so a token's numbers do not
   depend on its batch;
-- bf16 on AMX CPUs (or ``CONVEYOR_QUANT_BF16=bf16``, or ``weight-only``): each block rounded to
+- bf16 without VNNI, with ``CONVEYOR_QUANT_BF16=bf16``, or ``weight-only``: each block rounded to
   bf16 (the dequantized bf16 model's weights) and bf16 dot products; above a token count measured
   per shape (``dense_tokens``) a dense bf16 copy (``dense_module``, held when it fits
   ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
@@ -85,28 +85,32 @@ def int8_activations_native() -> bool:
 
 def int8_activations_for(dtype: torch.dtype) -> bool:
     """Whether a model in `dtype` multiplies its quantized 32-blocks with int8 activations (the int8
-    kernel at every step size), by CPU features only, so a restart never changes the numbers.
+    kernel at every step size), by CPU features only, so a restart never changes the numbers: fp32
+    and bf16 wherever the CPU has int8 dot products (AVX512-VNNI).
 
-    fp32: wherever the CPU has int8 dot products (AVX512-VNNI). bf16: there too, unless the CPU has
-    AMX. On a VNNI CPU without AMX (Zen4/Zen5, Ice Lake) the bf16 kernel, which rounds every weight
-    to bf16 so that it multiplies the dequantized bf16 model's weights, is compute-bound: 1.55x
-    slower per decode step than the int8 kernel on the demo model on a Zen5. Its large steps ran on
-    a dense bf16 copy (257 MiB beside 92 MiB of blocks) for no throughput over the int8 kernel
-    (docs/models.md). On AMX CPUs large steps run oneDNN's AMX bf16 kernels on that copy, which
-    the int8 kernel (AVX512-VNNI) has not been measured against: the bf16 kernel stays.
-    ``CONVEYOR_QUANT_BF16=int8|bf16`` overrides, for comparisons."""
+    bf16 on AMX CPUs took the bf16-rounding kernel (weights rounded to bf16) with a dense bf16 copy
+    for large steps until 2026-12-05; measured there on the demo model (docs/models.md): the int8
+    kernel's batch-1 step 2.8x shorter (3.3 vs 9.3 ms), the reference workload 0.87x as fast
+    (oneDNN's AMX tiles on the dense copy win large steps), 92 instead of 348 MiB of weights, and one
+    kernel at every step size, which makes the model batch-invariant (``row_invariant_matmuls``).
+    ``CONVEYOR_QUANT_BF16=bf16`` keeps the bf16-rounding kernel, for comparisons (``int8``: the default)."""
     if not int8_activations_native():
         return False
     if dtype == torch.float32:
         return True
     if dtype != torch.bfloat16:
         return False
-    forced = os.environ.get("CONVEYOR_QUANT_BF16", "auto")
-    if forced in ("int8", "bf16"):
-        return forced == "int8"
-    from conveyor.model.dtype import cpu_flags
+    return os.environ.get("CONVEYOR_QUANT_BF16", "auto") != "bf16"
 
-    return "amx_bf16" not in cpu_flags()
+
+def row_invariant_matmuls(model: nn.Module) -> bool:
+    """Whether every matmul of `model` (its layers' and the LM head) gives each row the numbers it
+    gets alone: all are QuantLinears on the int8 kernel, which serves every step size with one
+    order of sums per row. Dense matmuls are not (oneDNN and the GEMV block by the step's size)."""
+    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    head = getattr(model, "cpu_lm_head", None)
+    return bool(linears) and all(isinstance(m, QuantLinear) and m.x16 and not m.dense_from
+                                 for m in [*linears, head])
 
 
 @dataclass(slots=True)

@@ -436,26 +436,21 @@ def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):
     assert loader._native_types(path, "cpu", torch.float32, object(), False) == ()   # tensor parallel
 
 
-def test_bf16_models_take_the_int8_kernel_except_on_amx(tiny_models, tmp_path, monkeypatch):
+def test_bf16_models_take_the_int8_kernel_wherever_vnni_is(tiny_models, tmp_path, monkeypatch):
     """The kernel a model's 32-blocks use is a function of its dtype and the CPU's flags (never a
-    timing): int8 for fp32 wherever VNNI is, for bf16 too unless the CPU has AMX, where large steps
-    run oneDNN's AMX bf16 on a dense copy. On the int8 kernel a bf16 model holds the file's blocks
+    timing): int8 for fp32 and bf16 wherever VNNI is, AMX or not (until 2026-12-05 AMX CPUs kept bf16
+    models on the bf16-rounding kernel). On the int8 kernel a bf16 model holds the file's blocks
     only (no dense copy) and stays within bf16's rounding of the fp32 model's logits."""
     from conveyor.model import dtype as dtype_mod
     from conveyor.model import quant
 
     monkeypatch.setattr(quant, "int8_activations_native", lambda: True)
-    no_amx = {"avx512f", "avx512_vnni", "avx512_bf16"}
-    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx)
-    assert quant.int8_activations_for(torch.float32) and quant.int8_activations_for(torch.bfloat16)
-    assert not quant.int8_activations_for(torch.float16)
-    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx | {"amx_tile", "amx_bf16"})
-    assert quant.int8_activations_for(torch.float32) and not quant.int8_activations_for(torch.bfloat16)
-    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
-    assert quant.int8_activations_for(torch.bfloat16)
-    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "bf16")
-    monkeypatch.setattr(dtype_mod, "cpu_flags", lambda: no_amx)
-    assert not quant.int8_activations_for(torch.bfloat16)
+    for flags in ({"avx512f", "avx512_vnni", "avx512_bf16"}, {"avx512f", "avx512_vnni", "amx_tile", "amx_bf16"}):
+        monkeypatch.setattr(dtype_mod, "cpu_flags", lambda f=flags: f)
+        assert quant.int8_activations_for(torch.float32) and quant.int8_activations_for(torch.bfloat16)
+        assert not quant.int8_activations_for(torch.float16)
+    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "bf16")   # the bf16-rounding kernel, for comparisons
+    assert not quant.int8_activations_for(torch.bfloat16) and quant.int8_activations_for(torch.float32)
     monkeypatch.setattr(quant, "int8_activations_native", lambda: False)   # no VNNI: never
     monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
     assert not quant.int8_activations_for(torch.float32) and not quant.int8_activations_for(torch.bfloat16)
@@ -464,7 +459,6 @@ def test_bf16_models_take_the_int8_kernel_except_on_amx(tiny_models, tmp_path, m
     if not quant.int8_activations_native():
         pytest.skip("no AVX512-VNNI here: the int8 kernel does not run")
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("CONVEYOR_QUANT_BF16", "int8")
     monkeypatch.setenv("CONVEYOR_QUANT_DENSE_COPY", "on")   # would be held, were the bf16-rounding kernel used
     path = _tiny_quantized_gguf(tiny_models("llama_tied").hf, tmp_path / "t.gguf", "llama", "Q8_0")
     cfg = read_config(convert_gguf(path, weights=False))

@@ -217,15 +217,15 @@ AttnItemFn<T> item_kernel(int64_t d, int64_t G) {
 
 template <typename T>
 void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, float* out,
-              int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t MB, float scale,
-              int64_t W) {
+              int64_t D, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t d, int64_t row_stride,
+              float scale, int64_t W) {
     const int64_t G = H / KVH, head_stride = NB * BS * d;   // one KV head of the cache
     const AttnItemFn<T> fn = item_kernel<T>(d, G);
     at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
         AttnScratch sc;
         for (int64_t item = begin; item < end; ++item) {
             const int64_t s = item / KVH, h = item % KVH;
-            fn(q + (s * H + h * G) * d, kc + h * head_stride, vc + h * head_stride, tables + s * MB,
+            fn(q + (s * H + h * G) * d, kc + h * head_stride, vc + h * head_stride, tables + s * row_stride,
                W > 0 ? std::max<int64_t>(0, lens[s] - W) : 0, lens[s], BS, d, G, out + (s * H + h * G) * d, scale, sc);
         }
     });
@@ -251,7 +251,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
     TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
     auto qf = q.to(torch::kFloat32).contiguous();
-    auto bt = block_tables.contiguous();
+    // Rows of the table may repeat without a copy (stride 0: one prefill's queries, one table).
+    auto bt = block_tables.stride(1) == 1 && block_tables.size(0) > 0 ? block_tables : block_tables.contiguous();
     auto cl = context_lens.contiguous();
     const int64_t D = q.size(0), H = q.size(1), d = q.size(2);
     const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
@@ -260,11 +261,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     if (kv_type == torch::kFloat32) {
         dispatch<float>(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                         bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(), out.data_ptr<float>(), D, H, KVH, NB, BS, d,
-                        bt.size(1), (float)scale, window);
+                        bt.stride(0), (float)scale, window);
     } else {
         dispatch<at::BFloat16>(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                                v_cache.data_ptr<at::BFloat16>(), bt.data_ptr<int64_t>(), cl.data_ptr<int64_t>(),
-                               out.data_ptr<float>(), D, H, KVH, NB, BS, d, bt.size(1), (float)scale, window);
+                               out.data_ptr<float>(), D, H, KVH, NB, BS, d, bt.stride(0), (float)scale, window);
     }
     return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
