@@ -56,9 +56,15 @@ def main() -> None:
     ap.add_argument("--bf16-kernels", action="store_true",
                     help="bf16 on the GGUF as stored: the int8 kernel (the default on VNNI CPUs without AMX) "
                          "against the bf16-rounding kernel with its dense copy, interleaved --repeats rounds")
+    ap.add_argument("--invariance", action="store_true",
+                    help="prompts' attention query by query through the decode kernel (batch-invariant, the default "
+                         "on the int8 kernel) against SDPA, in one engine, interleaved --repeats rounds; and a "
+                         "1,000-token prompt's prefill both ways")
     args = ap.parse_args()
     if args.bf16_kernels:
         return compare_bf16_kernels(args)
+    if args.invariance:
+        return compare_invariance(args)
     reqs = workload()
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched))
@@ -114,6 +120,39 @@ def compare_bf16_kernels(args) -> None:
             f"(median per-round ratio {statistics.median(ratios):.2f}x; weights held "
             f"{sum(weights['int8'].values()) / 2**20:.1f} vs {sum(weights['bf16'].values()) / 2**20:.1f} MiB)")
     save("throughput_bf16_kernels", result, line)
+
+
+def compare_invariance(args) -> None:
+    import random
+    import statistics
+
+    from conveyor.profile import machine
+
+    reqs = workload()
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched))
+    backend = engine.runner.model.attn_backend
+    default = bool(getattr(backend, "rowwise_prefill", False))
+    run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
+    long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
+    runs, prefill = {"rowwise": [], "sdpa": []}, {"rowwise": [], "sdpa": []}
+    for r in range(max(args.repeats, 3)):
+        for k in (("rowwise", "sdpa") if r % 2 == 0 else ("sdpa", "rowwise")):
+            backend.rowwise_prefill = k == "rowwise"
+            runs[k].append(run_conveyor(engine, reqs)["output_tok_s"])
+            prefill[k].append(1e3 * run_conveyor(engine, [(long_prompt, 1)])["wall_s"])
+            print(r, k, round(runs[k][-1], 1), round(prefill[k][-1], 1), flush=True)
+    backend.rowwise_prefill = default
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    ratios = [a / b for a, b in zip(runs["rowwise"], runs["sdpa"])]
+    pre = {k: statistics.median(v) for k, v in prefill.items()}
+    result = {"dtype": engine.dtype, "default_rowwise": default, "runs": runs, "median": med,
+              "ratio_per_round": ratios, "prefill_1000_ms": prefill, "machine": machine()}
+    line = (f"64 reqs, {engine.dtype}, quantization {args.quantization}, {result['machine']['cpu_family']}: prompts' "
+            f"attention query by query (batch-invariant) {med['rowwise']:.1f} vs SDPA {med['sdpa']:.1f} output tok/s "
+            f"(median per-round ratio {statistics.median(ratios):.2f}x); a 1,000-token prompt's prefill "
+            f"{pre['rowwise']:.0f} vs {pre['sdpa']:.0f} ms")
+    save("throughput_invariance", result, line)
 
 
 if __name__ == "__main__":
