@@ -130,7 +130,9 @@ def compare_invariance(args) -> None:
 
     reqs = workload()
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched))
+    # No prefix caching: every round computes every prompt (a repeated workload would hit the cache).
+    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched,
+                                 enable_prefix_caching=False))
     backend = engine.runner.model.attn_backend
     default = bool(getattr(backend, "rowwise_prefill", False))
     run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
