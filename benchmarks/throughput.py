@@ -156,7 +156,7 @@ def compare_invariance(args) -> None:
             f"attention query by query (batch-invariant) {med['rowwise']:.1f} vs SDPA {med['sdpa']:.1f} output tok/s "
             f"(median per-round ratio {statistics.median(ratios):.2f}x); a 1,000-token prompt's prefill "
             f"{pre['rowwise']:.0f} vs {pre['sdpa']:.0f} ms")
-    save("throughput_invariance", result, line)
+    save(f"throughput_invariance_{engine.dtype}", result, line)
 
 
 if __name__ == "__main__":

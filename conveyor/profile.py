@@ -110,7 +110,7 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
     cached = (0, 512) if quick else (0, 256, 1024, 1536)
     candidates = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64, 128, max_seqs)
     # Knots on both sides of every kernel switch (e.g. GEMV up to 8 tokens, oneDNN from 9).
-    switches = [t for n in dispatch_thresholds(engine).values() for t in (n, n + 1)]
+    switches = [t for k, n in dispatch_thresholds(engine).items() if k.endswith("_tokens") for t in (n, n + 1)]
     batches = sorted({b for b in (*candidates, *switches) if 1 <= b <= max_seqs})
     contexts = (64, 512) if quick else (32, 128, 512, 1024)
     out: list = []

@@ -339,11 +339,14 @@ class LlamaForCausalLM(nn.Module):
         """The token counts where this model's kernel path changes (a step of up to N tokens takes
         one path, N + 1 the next): the C++ GEMV's width and the fused decode loop's. Zero-width
         paths are left out. A step-cost profile needs a knot on both sides of each (a straight
-        line across a switch mispredicts the steps near it)."""
+        line across a switch mispredicts the steps near it). ``prefill_rowwise`` (1, not a token
+        count) marks prompts' attention on the decode kernel (batch invariance, 1.3-4x SDPA's time),
+        so that a profile measured with the other records a different set."""
         gemv = max((m.gemv_max for m in self.modules() if isinstance(m, CpuLinear)), default=0)
         dense = sorted({m.dense_from - 1 for m in self.modules() if isinstance(m, QuantLinear) and m.dense_from})
         out = {"gemv_tokens": gemv, "fused_decode_tokens": self.fused_decode_tokens,
-               **{f"quant_dense_tokens_{i}": t for i, t in enumerate(dense)}}
+               **{f"quant_dense_tokens_{i}": t for i, t in enumerate(dense)},
+               "prefill_rowwise": int(bool(getattr(self.attn_backend, "rowwise_prefill", False)))}
         return {k: v for k, v in out.items() if v > 0}
 
     @staticmethod

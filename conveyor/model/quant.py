@@ -107,7 +107,11 @@ def row_invariant_matmuls(model: nn.Module) -> bool:
     """Whether every matmul of `model` (its layers' and the LM head) gives each row the numbers it
     gets alone: all are QuantLinears on the int8 kernel, which serves every step size with one
     order of sums per row. Dense matmuls are not (oneDNN and the GEMV block by the step's size)."""
-    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    from conveyor.model.linear import CpuLinear
+
+    if getattr(model, "tp", None) is not None:
+        return False
+    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, CpuLinear, QuantLinear))]
     head = getattr(model, "cpu_lm_head", None)
     return bool(linears) and all(isinstance(m, QuantLinear) and m.x16 and not m.dense_from
                                  for m in [*linears, head])

@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.model.attention import TorchPagedAttention
+from conveyor.model.attention import CpuPagedAttention, TorchPagedAttention
+from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.runner.inputs import SeqWork, build_inputs
 from model_testlib import allocate_tables
 
@@ -41,9 +42,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 def run_schedule(lengths: list[int], steps: list[list[tuple[int, int]]], *, heads: int, kv_heads: int,
-                 head_dim: int, block_size: int, seed: int = 0, window: int = 0) -> int:
-    """Feed sequences of ``lengths`` tokens through paged attention, ``steps`` being lists of
-    (sequence, tokens this step); check every output row. Returns the number of rows checked."""
+                 head_dim: int, block_size: int, seed: int = 0, window: int = 0, attn=None,
+                 outputs: dict | None = None) -> int:
+    """Feed sequences of ``lengths`` tokens through paged attention (`attn`: the portable backend
+    unless given), ``steps`` being lists of (sequence, tokens this step); check every output row
+    (and keep them in ``outputs[sequence]``, in order). Returns the number of rows checked."""
     g = torch.Generator().manual_seed(seed)
     qs = [torch.randn(n, heads, head_dim, generator=g) for n in lengths]
     ks = [torch.randn(n, kv_heads, head_dim, generator=g) for n in lengths]
@@ -52,7 +55,7 @@ def run_schedule(lengths: list[int], steps: list[list[tuple[int, int]]], *, head
     # Garbage everywhere: a read of an unwritten slot or of another sequence's block shows up.
     k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g) * 10
     v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g) * 10
-    attn = TorchPagedAttention(heads, kv_heads, head_dim)
+    attn = attn or TorchPagedAttention(heads, kv_heads, head_dim)
     done = [0] * len(lengths)
     checked = 0
     for step in steps:
@@ -69,6 +72,8 @@ def run_schedule(lengths: list[int], steps: list[list[tuple[int, int]]], *, head
             want = dense_attention(qs[s][a:a + n], ks[s][:a + n], vs[s][:a + n], torch.arange(a, a + n), window)
             torch.testing.assert_close(out[at:at + n].double(), want, atol=ATOL, rtol=RTOL,
                                        msg=lambda m: f"seq {s} positions {a}..{a + n - 1}: {m}")
+            if outputs is not None:
+                outputs.setdefault(s, []).append(out[at:at + n].clone())
             at += n
             done[s] += n
             checked += n
@@ -155,3 +160,31 @@ def test_sliding_window_schedules(block_size, window, lengths, seed):
         steps.append(step)
     assert run_schedule(lengths, steps, heads=4, kv_heads=2, head_dim=16, block_size=block_size, seed=seed,
                         window=window) == sum(lengths)
+
+
+@pytest.mark.skipif(cpu_kernels("cpu", torch.float32) is None, reason="C++ kernels not built here")
+@settings(max_examples=30, deadline=None)
+@given(block_size=st.sampled_from([1, 3, 16]), heads=st.sampled_from(HEADS), window=st.sampled_from([0, 1, 3, 8]),
+       lengths=st.lists(st.integers(1, 50), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_rowwise_prefill_gives_each_token_its_decode_bits(block_size, heads, window, lengths, seed):
+    """Prompts' attention through the decode kernel query by query (``rowwise_prefill``, the
+    batch-invariant mode): right (dense attention's output, windowed too), and each row the same
+    bits as that token computed alone as a decode step, whatever chunks it came in."""
+    h, kvh, d = heads
+    attn = CpuPagedAttention(h, kvh, d, cpu_kernels("cpu", torch.float32))
+    attn.rowwise_prefill = True
+    rng = random.Random(seed)
+    done, chunked = [0] * len(lengths), []
+    while any(x < n for x, n in zip(done, lengths)):
+        step = []
+        for s in [s for s in range(len(lengths)) if done[s] < lengths[s]]:
+            step.append((s, min(lengths[s] - done[s], rng.choice([1, 2, 7, 20]))))
+            done[s] += step[-1][1]
+        chunked.append(step)
+    one_by_one = [[(s, 1) for s in range(len(lengths)) if p < lengths[s]] for p in range(max(lengths))]
+    got, want = {}, {}
+    for steps, out in ((chunked, got), (one_by_one, want)):
+        run_schedule(lengths, steps, heads=h, kv_heads=kvh, head_dim=d, block_size=block_size, seed=seed,
+                     window=window, attn=attn, outputs=out)
+    for s in range(len(lengths)):
+        assert torch.equal(torch.cat(got[s]), torch.cat(want[s])), f"sequence {s}"

@@ -56,14 +56,20 @@ def engine(loaded: LoadedModel, **options) -> Engine:
     return Engine(EngineConfig.from_options(**options), loaded=loaded)
 
 
-def run(eng: Engine, prompts: list[list[int]], staggered: bool = False) -> list[tuple[list[int], list[float]]]:
-    """Each request's tokens and their logprobs; `staggered`: the first one finishes before the others arrive."""
+def run(eng: Engine, prompts: list[list[int]], staggered: bool = False,
+        trace: list | None = None) -> list[tuple[list[int], list[float]]]:
+    """Each request's tokens and their logprobs; `staggered`: the first one finishes before the others
+    arrive; `trace` collects each step's (prompt tokens, decode tokens)."""
     out = {}
     batches = [prompts[:1], prompts[1:]] if staggered else [prompts]
     for batch in batches:
         ids = [eng.add_request(p, PARAMS) for p in batch]
         while eng.has_unfinished_requests():
-            for o in eng.step():
+            outputs = eng.step()
+            if trace is not None:
+                stats = eng.stats()
+                trace.append((stats.step_prefill_tokens, stats.step_decode_tokens))
+            for o in outputs:
                 if o.finished:
                     c = o.outputs[0]
                     out[o.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
@@ -96,9 +102,14 @@ def test_numbers_do_not_depend_on_scheduling(loaded, mechanism):
                              "min_resident_steps": 1},
                "swap": {"num_kv_blocks": 12, "preemption_mode": "swap", "admission_policy": "optimistic",
                         "min_resident_steps": 1}}[mechanism]
-    eng = engine(loaded, **options)
-    got = run(eng, prompts, staggered=mechanism == "prefix hits")
+    eng, trace = engine(loaded, **options), []
+    got = run(eng, prompts, staggered=mechanism == "prefix hits", trace=trace)
     stats = eng.stats()
+    if mechanism == "batched":   # all prompts in one step, then all decoding together
+        assert trace[0][0] == sum(map(len, prompts)) and max(d for _, d in trace) == len(prompts)
+    if mechanism == "chunked":   # the longest prompt needs a step per 7 tokens, beside decodes
+        assert sum(1 for p, _ in trace if p) >= -(-max(map(len, prompts)) // 7)
+        assert any(p and d for p, d in trace)
     if mechanism == "prefix hits":
         assert stats.prefix_cache_hits >= 7 * (20 // 8)
     if mechanism == "recompute":
@@ -137,3 +148,23 @@ def test_sdpa_prompts_would_differ(loaded, monkeypatch):
         assert [t for t, _ in got] == [t for t, _ in ref]
         torch.testing.assert_close(torch.tensor([x for _, lp in got for x in lp]),
                                    torch.tensor([x for _, lp in ref for x in lp]), rtol=0, atol=1e-3)
+
+
+def test_a_dense_matmul_keeps_prompts_on_sdpa(tiny_models, tmp_path, monkeypatch):
+    """One matmul dequantized (a q/k/v group with an F32 piece, as for a type the int8 kernel does
+    not run): the model's matmuls are not all row-invariant, so prompts keep SDPA (the decode kernel
+    would cost time without making the model invariant)."""
+    from test_quant import _quantizing
+    from test_loader import _write_tiny_gguf
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    add_tensor = _quantizing(lambda name: None if "attn_v" in name else "Q8_0")
+    path = _write_tiny_gguf(tiny_models("llama_gqa").hf, tmp_path / "mixed.gguf", "llama", add_tensor=add_tensor)
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)))
+    assert not isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert not row_invariant_matmuls(model) and not model.attn_backend.rowwise_prefill
+    assert "prefill_rowwise" not in model.dispatch_thresholds()
+    monkeypatch.setenv("CONVEYOR_BATCH_INVARIANT", "on")
+    forced = build_model(cfg, gguf_native_weights(path, cfg, ("Q8_0",)))
+    assert forced.attn_backend.rowwise_prefill and forced.dispatch_thresholds()["prefill_rowwise"] == 1
