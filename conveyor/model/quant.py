@@ -90,9 +90,10 @@ def int8_activations_for(dtype: torch.dtype) -> bool:
 
     bf16 on AMX CPUs took the bf16-rounding kernel (weights rounded to bf16) with a dense bf16 copy
     for large steps until 2026-12-05; measured there on the demo model (docs/models.md): the int8
-    kernel's batch-1 step 2.8x shorter (3.3 vs 9.3 ms), the reference workload 0.87x as fast
-    (oneDNN's AMX tiles on the dense copy win large steps), 92 instead of 348 MiB of weights, and one
-    kernel at every step size, which makes the model batch-invariant (``row_invariant_matmuls``).
+    kernel's batch-1 step 2.8x shorter (3.3 vs 9.3 ms), but the reference workload at 0.6-0.65x the
+    dense bf16 model's throughput (oneDNN's AMX tiles win large steps, which the old path ran on its
+    dense copy), 92 instead of 348 MiB of weights, and one kernel at every step size, which makes
+    the model batch-invariant (``row_invariant_matmuls``).
     ``CONVEYOR_QUANT_BF16=bf16`` keeps the bf16-rounding kernel, for comparisons (``int8``: the default)."""
     if not int8_activations_native():
         return False
