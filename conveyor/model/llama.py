@@ -340,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
         one path, N + 1 the next): the C++ GEMV's width and the fused decode loop's. Zero-width
         paths are left out. A step-cost profile needs a knot on both sides of each (a straight
         line across a switch mispredicts the steps near it). ``prefill_rowwise`` (1, not a token
-        count) marks prompts' attention on the decode kernel (batch invariance, 1.3-4x SDPA's time),
+        count) marks prompts' attention on the decode kernel (batch invariance, 1.6-4.7x SDPA's time),
         so that a profile measured with the other records a different set."""
         gemv = max((m.gemv_max for m in self.modules() if isinstance(m, CpuLinear)), default=0)
         dense = sorted({m.dense_from - 1 for m in self.modules() if isinstance(m, QuantLinear) and m.dense_from})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
