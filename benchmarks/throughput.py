@@ -44,6 +44,25 @@ def run_conveyor(engine: Engine, reqs) -> dict:
     return {"wall_s": wall, "output_tok_s": sum(n for _, n in reqs) / wall, "steps": steps}
 
 
+def engine_for(args, **config) -> Engine:
+    """An engine for the reference workload with the command line's batch limits. No prefix caching:
+    a repeated round would find every prompt cached by the first (the workload shares no prefixes,
+    so the first round is the same either way); before 2026-12-05 it did."""
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    return Engine(EngineConfig(scheduler=sched, enable_prefix_caching=False, **config))
+
+
+def interleaved(names: list[str], rounds: int, measure) -> dict[str, list]:
+    """``measure(name)`` for every name in every round, the order reversed every other round (the
+    machine's speed drifts): {name: [result per round]}."""
+    out: dict[str, list] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            out[n].append(measure(n))
+            print(r, n, out[n][-1], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -66,11 +85,7 @@ def main() -> None:
     if args.invariance:
         return compare_invariance(args)
     reqs = workload()
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    # No prefix caching: a repeated round would find every prompt cached by the first (the workload
-    # shares no prefixes, so the first round is the same either way). Before 2026-12-05 it did.
-    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched,
-                                 enable_prefix_caching=False))
+    engine = engine_for(args, dtype=args.dtype, quantization=args.quantization)
     run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
     runs = [run_conveyor(engine, reqs) for _ in range(args.repeats)]
     ours = sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2]
@@ -102,18 +117,13 @@ def compare_bf16_kernels(args) -> None:
     from conveyor.profile import machine
 
     reqs = workload()
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {}
     for kernel in ("int8", "bf16"):   # read when the model is built
         os.environ["CONVEYOR_QUANT_BF16"] = kernel
-        engines[kernel] = Engine(EngineConfig(dtype="bfloat16", scheduler=sched, enable_prefix_caching=False))
+        engines[kernel] = engine_for(args, dtype="bfloat16")
         run_conveyor(engines[kernel], [([1, 2, 3], 4)])   # warm-up
     del os.environ["CONVEYOR_QUANT_BF16"]
-    runs = {k: [] for k in engines}
-    for r in range(max(args.repeats, 3)):
-        for k in (engines if r % 2 == 0 else reversed(list(engines))):
-            runs[k].append(run_conveyor(engines[k], reqs)["output_tok_s"])
-            print(r, k, round(runs[k][-1], 1), flush=True)
+    runs = interleaved(list(engines), max(args.repeats, 3), lambda k: run_conveyor(engines[k], reqs)["output_tok_s"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratios = [a / b for a, b in zip(runs["int8"], runs["bf16"])]
     weights = {k: e.runner.model.weight_bytes() for k, e in engines.items()}
@@ -132,21 +142,20 @@ def compare_invariance(args) -> None:
     from conveyor.profile import machine
 
     reqs = workload()
-    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = Engine(EngineConfig(dtype=args.dtype, quantization=args.quantization, scheduler=sched,
-                                 enable_prefix_caching=False))   # every round computes every prompt
+    engine = engine_for(args, dtype=args.dtype, quantization=args.quantization)
     backend = engine.runner.model.attn_backend
     default = bool(getattr(backend, "rowwise_prefill", False))
     run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
     long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
-    runs, prefill = {"rowwise": [], "sdpa": []}, {"rowwise": [], "sdpa": []}
-    for r in range(max(args.repeats, 3)):
-        for k in (("rowwise", "sdpa") if r % 2 == 0 else ("sdpa", "rowwise")):
-            backend.rowwise_prefill = k == "rowwise"
-            runs[k].append(run_conveyor(engine, reqs)["output_tok_s"])
-            prefill[k].append(1e3 * run_conveyor(engine, [(long_prompt, 1)])["wall_s"])
-            print(r, k, round(runs[k][-1], 1), round(prefill[k][-1], 1), flush=True)
+
+    def measure(k: str) -> tuple[float, float]:   # output tok/s, the long prompt's prefill in ms
+        backend.rowwise_prefill = k == "rowwise"
+        return (run_conveyor(engine, reqs)["output_tok_s"], 1e3 * run_conveyor(engine, [(long_prompt, 1)])["wall_s"])
+
+    both = interleaved(["rowwise", "sdpa"], max(args.repeats, 3), measure)
     backend.rowwise_prefill = default
+    runs = {k: [t for t, _ in v] for k, v in both.items()}
+    prefill = {k: [p for _, p in v] for k, v in both.items()}
     med = {k: statistics.median(v) for k, v in runs.items()}
     ratios = [a / b for a, b in zip(runs["rowwise"], runs["sdpa"])]
     pre = {k: statistics.median(v) for k, v in prefill.items()}

@@ -60,10 +60,9 @@ def run(eng: Engine, prompts: list[list[int]], staggered: bool = False,
         trace: list | None = None) -> list[tuple[list[int], list[float]]]:
     """Each request's tokens and their logprobs; `staggered`: the first one finishes before the others
     arrive; `trace` collects each step's (prompt tokens, decode tokens)."""
-    out = {}
-    batches = [prompts[:1], prompts[1:]] if staggered else [prompts]
-    for batch in batches:
-        ids = [eng.add_request(p, PARAMS) for p in batch]
+    out, order = {}, []
+    for batch in [prompts[:1], prompts[1:]] if staggered else [prompts]:
+        order += [eng.add_request(p, PARAMS) for p in batch]
         while eng.has_unfinished_requests():
             outputs = eng.step()
             if trace is not None:
@@ -74,9 +73,8 @@ def run(eng: Engine, prompts: list[list[int]], staggered: bool = False,
                     c = o.outputs[0]
                     out[o.request_id] = (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
         eng.kv.check_invariants()
-        out_ids = ids if batch is batches[0] else out_ids + ids
     assert eng.kv.num_free_blocks == eng.kv.num_blocks or eng.config.enable_prefix_caching
-    return [out[i] for i in out_ids]
+    return [out[i] for i in order]
 
 
 def alone(loaded: LoadedModel, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -252,7 +252,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(block_tables.dtype() == torch::kInt64 && context_lens.dtype() == torch::kInt64, "int64 tables");
     auto qf = q.to(torch::kFloat32).contiguous();
     // Rows of the table may repeat without a copy (stride 0: one prefill's queries, one table).
-    auto bt = block_tables.stride(1) == 1 && block_tables.size(0) > 0 ? block_tables : block_tables.contiguous();
+    auto bt = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
     auto cl = context_lens.contiguous();
     const int64_t D = q.size(0), H = q.size(1), d = q.size(2);
     const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
