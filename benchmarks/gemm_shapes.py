@@ -5,7 +5,10 @@ Backends (each where it exists on this machine and dtype):
 
 - ``mkl``: ``F.linear`` (MKL's sgemm for fp32; torch routes bf16 to oneDNN);
 - ``onednn``: oneDNN with the weight prepacked once (``torch.ops.mkldnn._linear_pointwise``);
-- ``gemv``: Conveyor's C++ small-batch kernel (up to 8 tokens).
+- ``gemv``: Conveyor's C++ small-batch kernel (up to 8 tokens);
+- ``q_vnni``, ``q_amx``: the int8 kernel on the same weight quantized to Q4_1 (the demo GGUF's type; the
+  x16 layout), VNNI alone and with AMX tiles for 16+ tokens (where the CPU has AMX-INT8). Counted as
+  the dense product's FLOPs (its two int8 terms do twice the integer work).
 
 The shapes are the demo model's (SmolLM2-135M: qkv 576x960, o 576x576, gate_up 576x3072, down
 1536x576, LM head 576x49152) at 1-512 tokens. "Peak" is the best rate any backend reaches on a
@@ -43,6 +46,26 @@ def backends(dtype: torch.dtype, w: torch.Tensor) -> dict:
     kernels = cpu_kernels("cpu", dtype)
     if kernels is not None:
         out["gemv"] = lambda x: kernels.gemv(x, w, None) if x.shape[0] <= MAX_GEMV_TOKENS else None
+    if kernels is not None and kernels.quant_int8_native():
+        import gguf
+        import gguf.quants
+
+        from conveyor.model.quant import QuantTensor
+
+        q = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        data = QuantTensor(torch.from_numpy(q), "Q4_1", w.shape[1]).for_int8().data
+
+        def int8(amx: bool):
+            def run(x):
+                kernels.set_int8_amx(amx)
+                try:
+                    return kernels.qgemv(x, data, None)
+                finally:
+                    kernels.set_int8_amx(True)
+            return run
+        out["q_vnni"] = int8(False)
+        if kernels.int8_amx():
+            out["q_amx"] = lambda x: int8(True)(x) if x.shape[0] >= kernels.int8_amx_tokens() else None
     return out
 
 

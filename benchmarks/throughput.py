@@ -79,7 +79,13 @@ def main() -> None:
                     help="prompts' attention query by query through the decode kernel (batch-invariant, the default "
                          "on the int8 kernel) against SDPA, in one engine, interleaved --repeats rounds; and a "
                          "1,000-token prompt's prefill both ways")
+    ap.add_argument("--int8-amx", action="store_true",
+                    help="the int8 kernel with AMX tiles for steps of 16+ tokens against VNNI alone (the same bits), "
+                         "in one engine, and for bf16 the bf16-rounding kernel with its dense copy, interleaved "
+                         "--repeats rounds; and a 1,000-token prompt's prefill each way")
     args = ap.parse_args()
+    if args.int8_amx:
+        return compare_int8_amx(args)
     if args.bf16_kernels:
         return compare_bf16_kernels(args)
     if args.invariance:
@@ -133,6 +139,52 @@ def compare_bf16_kernels(args) -> None:
             f"(median per-round ratio {statistics.median(ratios):.2f}x; weights held "
             f"{sum(weights['int8'].values()) / 2**20:.1f} vs {sum(weights['bf16'].values()) / 2**20:.1f} MiB)")
     save("throughput_bf16_kernels", result, line)
+
+
+def compare_int8_amx(args) -> None:
+    import os
+    import random
+    import statistics
+
+    from conveyor.model.cpu_kernels import load_cpu_kernels
+    from conveyor.profile import machine
+
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.int8_amx():
+        raise SystemExit("no AMX-INT8 here (or CONVEYOR_INT8_AMX=off): nothing to compare")
+    reqs = workload()
+    int8 = engine_for(args, dtype=args.dtype)
+    engines = {"amx": int8, "vnni": int8}
+    if int8.dtype == "bfloat16":   # the pre-2026-12-05 default on AMX: bf16-rounding kernel + dense copy (oneDNN AMX)
+        os.environ["CONVEYOR_QUANT_BF16"] = "bf16"
+        engines["bf16_dense"] = engine_for(args, dtype="bfloat16")
+        del os.environ["CONVEYOR_QUANT_BF16"]
+    for e in {id(e): e for e in engines.values()}.values():
+        run_conveyor(e, [([1, 2, 3], 4)])   # warm-up
+    long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
+
+    def measure(k: str) -> tuple[float, float]:   # output tok/s, the long prompt's prefill in ms
+        kernels.set_int8_amx(k != "vnni")
+        e = engines[k]
+        return run_conveyor(e, reqs)["output_tok_s"], 1e3 * run_conveyor(e, [(long_prompt, 1)])["wall_s"]
+
+    both = interleaved(list(engines), max(args.repeats, 3), measure)
+    kernels.set_int8_amx(True)
+    runs = {k: [t for t, _ in v] for k, v in both.items()}
+    prefill = {k: [p for _, p in v] for k, v in both.items()}
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    pre = {k: statistics.median(v) for k, v in prefill.items()}
+    ratios = {k: [a / b for a, b in zip(runs["amx"], runs[k])] for k in engines if k != "amx"}
+    result = {"dtype": int8.dtype, "runs": runs, "median": med, "ratio_per_round": ratios, "prefill_1000_ms": prefill,
+              "machine": machine()}
+    line = (f"64 reqs, {int8.dtype}, demo GGUF as stored, {result['machine']['cpu_family']}: int8 kernel with AMX tiles "
+            f"{med['amx']:.1f} vs VNNI alone {med['vnni']:.1f} output tok/s (median per-round ratio "
+            f"{statistics.median(ratios['vnni']):.2f}x)")
+    if "bf16_dense" in engines:
+        line += (f", vs bf16-rounding kernel + dense copy {med['bf16_dense']:.1f} "
+                 f"({statistics.median(ratios['bf16_dense']):.2f}x)")
+    line += "; a 1,000-token prefill " + " vs ".join(f"{pre[k]:.0f}" for k in engines) + " ms"
+    save(f"throughput_int8_amx_{int8.dtype}", result, line)
 
 
 def compare_invariance(args) -> None:

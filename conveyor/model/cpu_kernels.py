@@ -27,7 +27,23 @@ def _cpu_flags() -> list[str]:
         out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
     if "avx512_vnni" in flags and "avx512bw" in flags:
         out += ["-mavx512vnni", "-mavx512bw"]
+        if {"amx_tile", "amx_int8"} <= set(flags) and _compiler_takes(["-mamx-tile", "-mamx-int8"]):
+            out += ["-mamx-tile", "-mamx-int8"]
     return out
+
+
+def _compiler_takes(flags: list[str]) -> bool:
+    """Whether the C++ compiler accepts `flags` (an old one may not know AMX's; the kernels then
+    build without it rather than not at all)."""
+    import subprocess
+
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    try:
+        return subprocess.run([get_cxx_compiler(), *flags, "-x", "c++", "-fsyntax-only", "-"], input=b"int main(){}",
+                              capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 @cache
@@ -40,12 +56,15 @@ def load_cpu_kernels():
 
         _put_ninja_on_path()
 
-        return load(name="conveyor_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(), _headers_flag()],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name="conveyor_cpu_kernels", sources=[str(p) for p in _SOURCES],
+                      extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(), _headers_flag()],
+                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
         return None
+    # AMX tiles for the int8 kernel's large steps (the same bits as VNNI): off to compare.
+    module.set_int8_amx(os.environ.get("CONVEYOR_INT8_AMX", "auto") != "off")
+    return module
 
 
 def _headers_flag() -> str:

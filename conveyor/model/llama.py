@@ -17,7 +17,8 @@ from conveyor.model.attention import AttentionBackend, AttentionMetadata, CpuPag
 from conveyor.model.config import ModelConfig
 from conveyor.model.linear import MAX_GEMV_TOKENS, CpuLinear, replace_linears
 from conveyor.model.ops import CpuFusedOps, TorchOps
-from conveyor.model.quant import QuantConcat, QuantEmbedding, QuantLinear, QuantTensor, dense_module, dense_tokens
+from conveyor.model.quant import (NATIVE_BLOCK_BYTES, QuantConcat, QuantEmbedding, QuantLinear, QuantTensor, dense_module,
+                                  dense_tokens, int8_amx_tokens)
 
 
 # The matmuls fused on load: fused module -> the HF pieces whose rows it stacks, in order.
@@ -337,15 +338,18 @@ class LlamaForCausalLM(nn.Module):
 
     def dispatch_thresholds(self) -> dict[str, int]:
         """The token counts where this model's kernel path changes (a step of up to N tokens takes
-        one path, N + 1 the next): the C++ GEMV's width and the fused decode loop's. Zero-width
+        one path, N + 1 the next): the C++ GEMV's width, the fused decode loop's and where the int8
+        kernel's 32-blocks move to AMX tiles. Zero-width
         paths are left out. A step-cost profile needs a knot on both sides of each (a straight
         line across a switch mispredicts the steps near it). ``prefill_rowwise`` (1, not a token
         count) marks prompts' attention on the decode kernel (batch invariance, 1.6-4.7x SDPA's time),
         so that a profile measured with the other records a different set."""
         gemv = max((m.gemv_max for m in self.modules() if isinstance(m, CpuLinear)), default=0)
         dense = sorted({m.dense_from - 1 for m in self.modules() if isinstance(m, QuantLinear) and m.dense_from})
+        blocks32 = any(isinstance(m, QuantLinear) and m.x16 and m.qtype in NATIVE_BLOCK_BYTES for m in self.modules())
         out = {"gemv_tokens": gemv, "fused_decode_tokens": self.fused_decode_tokens,
                **{f"quant_dense_tokens_{i}": t for i, t in enumerate(dense)},
+               "int8_amx_tokens": int8_amx_tokens() - 1 if blocks32 else 0,
                "prefill_rowwise": int(bool(getattr(self.attn_backend, "rowwise_prefill", False)))}
         return {k: v for k, v in out.items() if v > 0}
 

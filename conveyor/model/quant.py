@@ -8,7 +8,8 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
 - fp32 and bf16 on CPUs with AVX512-VNNI (``int8_activations_for``): the blocks
   reordered once into 16-row groups (``for_int8``, the same bytes) and int8 dot products, the
   activations split per block into two int8 terms; every step size, so a token's numbers do not
-  depend on its batch;
+  depend on its batch (on AMX-INT8 CPUs steps of 16+ tokens multiply 32-blocks on AMX tiles, the
+  same integers and bits: ``int8_amx_tokens``);
 - bf16 without VNNI, with ``CONVEYOR_QUANT_BF16=bf16``, or ``weight-only``: each block rounded to
   bf16 (the dequantized bf16 model's weights) and bf16 dot products; above a token count measured
   per shape (``dense_tokens``) a dense bf16 copy (``dense_module``, held when it fits
@@ -81,6 +82,15 @@ def int8_activations_native() -> bool:
     feature, so the same command always chooses the same numerics on a machine."""
     kernels = _kernels()
     return kernels is not None and bool(kernels.quant_int8_native())
+
+
+def int8_amx_tokens() -> int:
+    """The fewest tokens of a step for which the int8 kernel computes 32-blocks (Q4_0, Q4_1, Q5_0,
+    Q8_0) on AMX tiles here, 0 where it never does (no AMX-INT8, a compiler without it, or
+    ``CONVEYOR_INT8_AMX=off``). Each token's outputs are the VNNI path's to the bit, so this changes
+    speed only; whole tiles of 16 tokens take AMX, a step's remaining tokens VNNI."""
+    kernels = _kernels()
+    return int(kernels.int8_amx_tokens()) if kernels is not None and kernels.int8_amx() else 0
 
 
 def int8_activations_for(dtype: torch.dtype) -> bool:

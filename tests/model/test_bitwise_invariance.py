@@ -117,6 +117,24 @@ def test_numbers_do_not_depend_on_scheduling(loaded, mechanism):
     assert got == ref
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_amx(), reason="no AMX-INT8 here")
+def test_amx_tiles_are_a_reported_switch_that_changes_no_bit(loaded):
+    """On an AMX-INT8 CPU steps of 16+ tokens take AMX tiles: the model reports the switch (a step-cost
+    profile puts knots on both sides), and a batch whose steps take them (the first carries every
+    prompt, the decodes 16 tokens) gives with AMX off the tokens and logprobs it gives with AMX on."""
+    width = KERNELS.int8_amx_tokens()
+    assert loaded.model.dispatch_thresholds()["int8_amx_tokens"] == width - 1
+    prompts = make_prompts(width, seed=5)
+    trace = []
+    with_amx = run(engine(loaded), prompts, trace=trace)
+    assert trace[0][0] == sum(map(len, prompts)) and max(d for _, d in trace) == width
+    try:
+        KERNELS.set_int8_amx(False)
+        assert run(engine(loaded), prompts) == with_amx
+    finally:
+        KERNELS.set_int8_amx(True)
+
+
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**16), n=st.integers(2, 6), shared=st.sampled_from([0, 5, 16, 21]),
        block_size=st.sampled_from([4, 8, 16]), chunk=st.sampled_from([3, 16, 512]),

@@ -95,6 +95,30 @@ def test_int8_kernel_computes_its_definition(qtype):
         assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
 
 
+@pytest.mark.skipif(KERNELS is None or not KERNELS.int8_amx(), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_amx_tiles_give_each_token_its_vnni_bits(qtype):
+    """Steps of 16 tokens or more run whole tiles of 16 on AMX and the rest on VNNI: each token's
+    outputs are the bits it gets alone (one token: VNNI), in fp32 and bf16, with a bias, an all-zero
+    block, 1-5 tiles (a pass takes 4) and more 16-row groups than threads."""
+    w, _ = _quantized(qtype, 80, 192, seed=5)
+    data = w.for_int8().data
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(80, generator=g)
+    for tokens in (16, 21, 32, 64, 83):
+        x = torch.randn(tokens, 192, generator=g)
+        x[tokens // 2, 32:64] = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, bd = x.to(dtype), bias.to(dtype)
+            alone = torch.cat([KERNELS.qgemv(xd[i:i + 1], data, bd) for i in range(tokens)])
+            assert torch.equal(KERNELS.qgemv(xd, data, bd), alone), (tokens, dtype)
+            try:
+                KERNELS.set_int8_amx(False)
+                assert torch.equal(KERNELS.qgemv(xd, data, bd), alone)   # VNNI at every size
+            finally:
+                KERNELS.set_int8_amx(True)
+
+
 @pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
 def test_int8_kernels_give_the_same_bits_on_two_threads():
     """A prefill's activations are quantized by both threads (more than 256 blocks) and its rows

@@ -24,6 +24,9 @@ torch::Tensor qembedding(torch::Tensor w, torch::Tensor ids, int64_t K, at::Scal
 torch::Tensor qrepack(torch::Tensor w, int64_t K);
 torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes);
 bool quant_int8_native();
+bool int8_amx();
+void set_int8_amx(bool on);
+int64_t int8_amx_tokens();
 void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(

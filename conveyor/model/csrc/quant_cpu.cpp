@@ -6,7 +6,8 @@
 //   so the only difference from the dequantized fp32 model is the order of the sums;
 // - plain layout, bf16 activations: each block widened, rounded to bf16 and bf16 dot products
 //   (the dense bf16 GEMV's arithmetic on the dequantized bf16 weights);
-// - the x16 layout (below): int8 dot products against activations as two int8 terms (VNNI).
+// - the x16 layout (below): int8 dot products against activations as two int8 terms (VNNI;
+//   steps of 16+ tokens on AMX-INT8 tiles where the CPU has them, the same integers and bits).
 // A plain row: ggml's blocks one after another along K. The type follows from the row's bytes
 // per block of 32 (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34; x16: 16 times that per group of 16 rows).
 #include <torch/extension.h>
@@ -17,12 +18,17 @@
 #include "team.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -33,6 +39,7 @@ using conveyor::widen;
 enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ8_0 = 34 };   // bytes per block of 32 weights
 constexpr int kBlock = 32;
 constexpr int kMaxM = 8;    // tokens per pass over the weight
+constexpr int64_t kAmxMinTokens = 16;   // steps this large take AMX tiles where there are
 constexpr int64_t kPrefetchBytes = 2048;
 
 // f(std::integral_constant<int, M>{}) for a pass of `count` (1..kMaxM) tokens: M a compile-time
@@ -488,55 +495,84 @@ inline void group_passes(int64_t N, int64_t M, F&& f) {
     });
 }
 
+// A block's codes for a group's 16 rows as 8 vectors, vector t holding in lane j row j's weights
+// 4t..4t+3 as unsigned bytes -- the operand of VNNI's dot products, and stored one after another
+// the B tile of AMX's (8 rows of 64 bytes).
+template <int QT>
+inline void block_codes(const uint8_t* cp, __m512i (&codes)[8]) {
+    if constexpr (QT == kQ8_0) {
+        for (int t = 0; t < 8; ++t) codes[t] = _mm512_loadu_si512(cp + 64 * t);
+    } else {
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        for (int c = 0; c < 4; ++c) {
+            const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
+            codes[c] = _mm512_and_si512(raw, nib);
+            codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        }
+        if constexpr (QT == kQ5_0) {
+            // Lane j's word holds row j's fifth bits; chunk c's byte i is weight 4c + i (low
+            // nibbles) or 16 + 4c + i (high): bits 4c..4c+3 of the word go to bit 4 of bytes 0..3.
+            // Multiplying 4 bits by 1 + 2^7 + 2^14 + 2^21 puts bit i at 8i (no carries).
+            const __m512i qh = _mm512_loadu_si512(cp + 64 * 4);
+            const __m512i four = _mm512_set1_epi32(0xF), spread = _mm512_set1_epi32(0x00204081),
+                          ones = _mm512_set1_epi32(0x01010101);
+            auto fifth = [&](__m512i bits) {
+                return _mm512_slli_epi32(
+                    _mm512_and_si512(_mm512_mullo_epi32(_mm512_and_si512(bits, four), spread), ones), 4);
+            };
+            for (int t = 0; t < 8; ++t) codes[t] = _mm512_or_si512(codes[t], fifth(_mm512_srli_epi32(qh, 4 * t)));
+        }
+    }
+}
+
+// A token's scales of one block (QuantX's d, d2, sum, qsum, qsum2 at its row r).
+struct BlockScales {
+    float d, d2, sum;
+    int32_t qsum, qsum2;
+};
+inline BlockScales scales_at(const QuantX& X, int64_t r) { return {X.d[r], X.d2[r], X.sum[r], X.qsum[r], X.qsum2[r]}; }
+
+// A token's term of one block for a group's 16 rows (lane j: row j), added to acc: a, a2 the
+// exact int32 dot products of the codes with q, q2. Whichever unit computed a and a2 (VNNI, AMX),
+// this is the one place their sums are scaled, so a token's result does not depend on which did.
+template <int QT>
+inline __m512 block_term(__m512i a, __m512i a2, const BlockScales& x, __m512 dw, __m512 mw, __m512 acc) {
+    constexpr int off = code_zero(QT);
+    if constexpr (off != 0) {
+        a = _mm512_sub_epi32(a, _mm512_set1_epi32(off * x.qsum));
+        a2 = _mm512_sub_epi32(a2, _mm512_set1_epi32(off * x.qsum2));
+    }
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(x.d2),
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(x.d)));
+    acc = _mm512_fmadd_ps(v, dw, acc);
+    if constexpr (QT == kQ4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum), acc);
+    return acc;
+}
+
+// A block's 16 fp16 scales (and Q4_1's minima) as fp32 lanes.
+template <int QT>
+inline void block_scales(const uint8_t* blk, __m512& dw, __m512& mw) {
+    dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    mw = _mm512_setzero_ps();
+    if constexpr (QT == kQ4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * kRows)));
+}
+
 // One group of 16 output rows for M tokens.
 template <int QT, int M, typename T>
 inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
                       int64_t n0) {
     constexpr int hdr = header_bytes(QT);
-    constexpr int off = code_zero(QT);
     const int64_t K = nb * kBlock;
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = wg + b * kRows * QT;
         for (int l = 0; l < kRows * QT; l += 64)   // the block 8 ahead
             _mm_prefetch(reinterpret_cast<const char*>(blk) + 8 * kRows * QT + l, _MM_HINT_T0);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-        __m512 mw = _mm512_setzero_ps();
-        if constexpr (QT == kQ4_1)
-            mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * kRows)));
-        const uint8_t* cp = blk + kRows * hdr;
+        __m512 dw, mw;
+        block_scales<QT>(blk, dw, mw);
         __m512i codes[8];
-        if constexpr (QT == kQ8_0) {
-            for (int t = 0; t < 8; ++t) codes[t] = _mm512_loadu_si512(cp + 64 * t);
-        } else {
-            for (int c = 0; c < 4; ++c) {
-                const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
-                codes[c] = _mm512_and_si512(raw, nib);
-                codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-            }
-            if constexpr (QT == kQ5_0) {
-                // Lane j's word holds row j's fifth bits; chunk c's byte i is weight 4c + i (low
-                // nibbles) or 16 + 4c + i (high): bits 4c..4c+3 of the word go to bit 4 of bytes 0..3.
-                // Multiplying 4 bits by 1 + 2^7 + 2^14 + 2^21 puts bit i at 8i (no carries).
-                const __m512i qh = _mm512_loadu_si512(cp + 64 * 4);
-                const __m512i four = _mm512_set1_epi32(0xF), spread = _mm512_set1_epi32(0x00204081),
-                              ones = _mm512_set1_epi32(0x01010101);
-                auto fifth = [&](__m512i bits) {
-                    return _mm512_slli_epi32(
-                        _mm512_and_si512(_mm512_mullo_epi32(_mm512_and_si512(bits, four), spread), ones), 4);
-                };
-                codes[0] = _mm512_or_si512(codes[0], fifth(qh));
-                codes[1] = _mm512_or_si512(codes[1], fifth(_mm512_srli_epi32(qh, 4)));
-                codes[2] = _mm512_or_si512(codes[2], fifth(_mm512_srli_epi32(qh, 8)));
-                codes[3] = _mm512_or_si512(codes[3], fifth(_mm512_srli_epi32(qh, 12)));
-                codes[4] = _mm512_or_si512(codes[4], fifth(_mm512_srli_epi32(qh, 16)));
-                codes[5] = _mm512_or_si512(codes[5], fifth(_mm512_srli_epi32(qh, 20)));
-                codes[6] = _mm512_or_si512(codes[6], fifth(_mm512_srli_epi32(qh, 24)));
-                codes[7] = _mm512_or_si512(codes[7], fifth(_mm512_srli_epi32(qh, 28)));
-            }
-        }
+        block_codes<QT>(blk + kRows * hdr, codes);
         for (int m = 0; m < M; ++m) {
             const int64_t r = (m0 + m) * nb + b;
             const int32_t* xw = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
@@ -553,16 +589,7 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
                 a2 = _mm512_dpbusd_epi32(a2, codes[t], _mm512_set1_epi32(xw2[t]));
                 b2 = _mm512_dpbusd_epi32(b2, codes[t + 4], _mm512_set1_epi32(xw2[t + 4]));
             }
-            a = _mm512_add_epi32(a, b);
-            a2 = _mm512_add_epi32(a2, b2);
-            if constexpr (off != 0) {
-                a = _mm512_sub_epi32(a, _mm512_set1_epi32(off * X.qsum[r]));
-                a2 = _mm512_sub_epi32(a2, _mm512_set1_epi32(off * X.qsum2[r]));
-            }
-            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(X.d2[r]),
-                                             _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(X.d[r])));
-            acc[m] = _mm512_fmadd_ps(v, dw, acc[m]);
-            if constexpr (QT == kQ4_1) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(X.sum[r]), acc[m]);
+            acc[m] = block_term<QT>(_mm512_add_epi32(a, b), _mm512_add_epi32(a2, b2), scales_at(X, r), dw, mw, acc[m]);
         }
     }
     store_group<M>(acc, bias, y, ldy, m0, n0);
@@ -575,9 +602,189 @@ void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N
         x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
+
+// ---- AMX: the same int32 dot products, tiles of tokens at a time -----------------------------
+// An AMX tile multiply (TDPBSUD) takes an A tile of 16 rows of 32 signed bytes against a B tile of
+// 8 rows of 64 unsigned bytes, row t holding in bytes 4j..4j+3 weight row j's codes 4t..4t+3 --
+// exactly block_codes' 8 vectors -- and adds the exact int32 dot products into a 16 x 16 tile. An A
+// tile here is 8 tokens' q rows then their q2 rows (pack_tiles), so one multiply gives both terms
+// of 8 tokens for 16 weight rows; four run per step of the loop (2 A tiles x 2 groups of 16 rows).
+// K per multiply is one block of 32, since every block has its own scales: the int32 sums are stored
+// and scaled by block_term lane by lane as on VNNI, so each token's output is the VNNI kernel's, bit
+// for bit, whichever path a step takes (tests/model/test_quant.py). Only whole pairs of A tiles (16
+// tokens) run here; the rest of a step's tokens run on VNNI. Measured alone (benchmarks/gemm_shapes.py).
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+constexpr bool kHaveAmx = true;
+constexpr int64_t kTileTokens = 8;    // tokens per A tile (their q rows, then their q2 rows)
+constexpr int64_t kAmxPass = 64;      // tokens per pass over two groups' weights (acc: 64 x 32 floats)
+
+// Linux lends a process AMX's tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+}
+
+// Tiles 0, 1: A (two tiles of 8 tokens); 2, 3: B (two groups' codes); 4-7: C (A0 B0, A0 B1, A1 B0,
+// A1 B1). A constant in memory: GCC 12 dropped the stores of a config built on the stack before
+// LDTILECFG, which then faulted. Loaded by each thread at the start of its share (the configuration
+// is per thread, and oneDNN loads its own).
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+const TileConfig kTiles = {1, 0, {}, {kBlock, kBlock, 64, 64, 64, 64, 64, 64}, {16, 16, 8, 8, 16, 16, 16, 16}};
+
+// The A tiles and scales of tokens [0, Mt): per 8 tokens and block, 16 rows of 32 bytes (q of
+// each token, then q2) and the 8 tokens' BlockScales.
+struct TilePack {
+    std::vector<int8_t> q;
+    std::vector<BlockScales> scales;
+};
+void pack_tiles(const QuantX& X, int64_t Mt, int64_t K, TilePack& P) {
+    const int64_t nb = K / kBlock;
+    P.q.resize(Mt * K * 2);
+    P.scales.resize(Mt * nb);
+    at::parallel_for(0, Mt / kTileTokens, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+            for (int64_t b = 0; b < nb; ++b) {
+                int8_t* o = P.q.data() + (t * nb + b) * 2 * kTileTokens * kBlock;
+                for (int64_t i = 0; i < kTileTokens; ++i) {
+                    const int64_t m = t * kTileTokens + i;
+                    std::memcpy(o + kBlock * i, X.q.data() + m * K + b * kBlock, kBlock);
+                    std::memcpy(o + kBlock * (kTileTokens + i), X.q2.data() + m * K + b * kBlock, kBlock);
+                    P.scales[(t * nb + b) * kTileTokens + i] = scales_at(X, m * nb + b);
+                }
+            }
+    });
+}
+
+template <int QT, typename T>
+void x16_amx(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
+    constexpr int hdr = header_bytes(QT);
+    constexpr int64_t kTileBytes = 2 * kTileTokens * kBlock;
+    const int64_t nb = K / kBlock, gbytes = nb * kRows * QT, groups = N / kRows;
+    const int64_t Mt = M / (2 * kTileTokens) * (2 * kTileTokens);
+    TilePack P;
+    pack_tiles(X, Mt, K, P);
+    conveyor::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+        _tile_loadconfig(&kTiles);
+        alignas(64) uint8_t cbuf[2][8 * 64];
+        alignas(64) int32_t sums[2][4][16 * kRows];   // two steps' C tiles (one being scaled)
+        alignas(64) float acc[kAmxPass][2 * kRows];
+        for (int64_t pr = p0; pr < p1; ++pr) {
+            const int64_t g = 2 * pr;
+            const int ng = g + 1 < groups ? 2 : 1;   // an odd group count leaves one alone
+            for (int64_t m0 = 0; m0 < Mt; m0 += kAmxPass) {
+                const int64_t m1 = std::min(Mt, m0 + kAmxPass);
+                std::memset(acc, 0, sizeof(acc));
+                // The C tiles of step (m, b) are scaled during the next step's multiplies.
+                int pending = -1;
+                int64_t pm = 0, pb = 0;
+                __m512 pdw[2], pmw[2];
+                auto scale = [&](int set, int64_t m, int64_t b, const __m512 (&dw)[2], const __m512 (&mw)[2]) {
+                    for (int h = 0; h < 2; ++h)
+                        for (int gg = 0; gg < ng; ++gg) {
+                            const int32_t* c = sums[set][2 * h + gg];
+                            const BlockScales* sc = P.scales.data() + ((m / kTileTokens + h) * nb + b) * kTileTokens;
+                            for (int64_t i = 0; i < kTileTokens; ++i) {
+                                float* a = acc[m - m0 + h * kTileTokens + i] + gg * kRows;
+                                _mm512_store_ps(a, block_term<QT>(_mm512_load_si512(c + kRows * i),
+                                                                  _mm512_load_si512(c + kRows * (kTileTokens + i)),
+                                                                  sc[i], dw[gg], mw[gg], _mm512_load_ps(a)));
+                            }
+                        }
+                };
+                int set = 0;
+                for (int64_t b = 0; b < nb; ++b) {
+                    __m512 dw[2] = {}, mw[2] = {};
+                    for (int gg = 0; gg < ng; ++gg) {
+                        const uint8_t* blk = w + (g + gg) * gbytes + b * kRows * QT;
+                        for (int l = 0; l < kRows * QT; l += 64)
+                            _mm_prefetch(reinterpret_cast<const char*>(blk) + 2 * kRows * QT + l, _MM_HINT_T0);
+                        block_scales<QT>(blk, dw[gg], mw[gg]);
+                        if constexpr (QT != kQ8_0) {   // Q8_0's codes are stored as the B tile
+                            __m512i codes[8];
+                            block_codes<QT>(blk + kRows * hdr, codes);
+                            for (int t = 0; t < 8; ++t) _mm512_store_si512(cbuf[gg] + 64 * t, codes[t]);
+                        }
+                    }
+                    auto codes_at = [&](int gg) -> const void* {
+                        return QT == kQ8_0 ? static_cast<const void*>(w + (g + gg) * gbytes + b * kRows * QT + kRows * hdr)
+                                           : static_cast<const void*>(cbuf[gg]);
+                    };
+                    _tile_loadd(2, codes_at(0), 64);
+                    if (ng == 2) _tile_loadd(3, codes_at(ng - 1), 64);
+                    for (int64_t m = m0; m < m1; m += 2 * kTileTokens) {
+                        const int8_t* a0 = P.q.data() + ((m / kTileTokens) * nb + b) * kTileBytes;
+                        _tile_loadd(0, a0, kBlock);
+                        _tile_loadd(1, a0 + nb * kTileBytes, kBlock);
+                        _tile_zero(4);
+                        _tile_zero(6);
+                        _tile_dpbsud(4, 0, 2);
+                        _tile_dpbsud(6, 1, 2);
+                        if (ng == 2) {
+                            _tile_zero(5);
+                            _tile_zero(7);
+                            _tile_dpbsud(5, 0, 3);
+                            _tile_dpbsud(7, 1, 3);
+                        }
+                        if (pending >= 0) scale(pending, pm, pb, pdw, pmw);
+                        _tile_stored(4, sums[set][0], 64);
+                        _tile_stored(6, sums[set][2], 64);
+                        if (ng == 2) {
+                            _tile_stored(5, sums[set][1], 64);
+                            _tile_stored(7, sums[set][3], 64);
+                        }
+                        pending = set;
+                        pm = m;
+                        pb = b;
+                        for (int gg = 0; gg < 2; ++gg) {
+                            pdw[gg] = dw[gg];
+                            pmw[gg] = mw[gg];
+                        }
+                        set ^= 1;
+                    }
+                }
+                scale(pending, pm, pb, pdw, pmw);
+                for (int64_t m = m0; m < m1; ++m)
+                    for (int gg = 0; gg < ng; ++gg) {
+                        const int64_t n0 = (g + gg) * kRows;
+                        T* ym = y + m * ldy + n0;
+                        for (int j = 0; j < kRows; ++j)
+                            narrow(acc[m - m0][gg * kRows + j] + (bias ? widen(bias[n0 + j]) : 0.f), ym + j);
+                    }
+            }
+            for (int gg = 0; gg < ng; ++gg)   // the tokens short of a pair of tiles: VNNI
+                for (int64_t m = Mt; m < M; m += kMaxM)
+                    with_tokens(M - m, [&](auto mc) {
+                        x16_group<QT, decltype(mc)::value>(X, m, nb, w + (g + gg) * gbytes, bias, y, ldy,
+                                                           (g + gg) * kRows);
+                    });
+        }
+        _tile_release();
+    });
+}
+#else
+constexpr bool kHaveAmx = false;
+bool amx_permitted() { return false; }
+#endif
 #else
 constexpr bool kHaveVnni = false;
+constexpr bool kHaveAmx = false;
+bool amx_permitted() { return false; }
 #endif
+
+// Whether steps of 16 tokens or more take AMX (set_int8_amx: off to compare; same results).
+std::atomic<bool> g_int8_amx{true};
+
+inline bool use_amx(int64_t M) {
+    return kHaveAmx && M >= kAmxMinTokens && !conveyor::team() && g_int8_amx.load(std::memory_order_relaxed) &&
+           amx_permitted();
+}
 
 // The x16 layout without VNNI (a file repacked elsewhere): the int8 arithmetic, scalar.
 template <int QT, typename T>
@@ -625,7 +832,8 @@ void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const 
     }
     with_quantized(x, M, K, [&](const QuantX& X) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
+        if (use_amx(M)) x16_amx<QT, T>(X, M, K, w, info.N, bias, y, ldy);
+        else x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #else
         x16_portable<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #endif
@@ -1149,6 +1357,9 @@ torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
 
 // Whether the x16 layout runs on int8 dot products here (else a scalar loop: never chosen).
 bool quant_int8_native() { return kHaveVnni; }
+bool int8_amx() { return use_amx(kAmxMinTokens); }
+int64_t int8_amx_tokens() { return kAmxMinTokens; }
+void set_int8_amx(bool on) { g_int8_amx.store(on); }
 
 // A decode layer's matmul weight: its output features, after checking that linear_raw takes it
 // for activations of `dtype` (linear_raw itself checks nothing: it may run inside a decode team).
