@@ -27,23 +27,28 @@ def _cpu_flags() -> list[str]:
         out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
     if "avx512_vnni" in flags and "avx512bw" in flags:
         out += ["-mavx512vnni", "-mavx512bw"]
-        if {"amx_tile", "amx_int8"} <= set(flags) and _compiler_takes(["-mamx-tile", "-mamx-int8"]):
+        if {"amx_tile", "amx_int8"} <= set(flags) and _compiler_builds_amx(["-mamx-tile", "-mamx-int8"]):
             out += ["-mamx-tile", "-mamx-int8"]
     return out
 
 
-def _compiler_takes(flags: list[str]) -> bool:
-    """Whether the C++ compiler accepts `flags` (an old one may not know AMX's; the kernels then
-    build without it rather than not at all)."""
+def _compiler_builds_amx(flags: list[str]) -> bool:
+    """Whether the C++ compiler and assembler build AMX code with `flags` (an old compiler or binutils
+    may not know AMX's; the kernels then build without it rather than not at all)."""
+    import shlex
     import subprocess
+    import tempfile
 
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    try:
-        return subprocess.run([get_cxx_compiler(), *flags, "-x", "c++", "-fsyntax-only", "-"], input=b"int main(){}",
-                              capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+    probe = b"#include <immintrin.h>\nint main() { _tile_zero(0); _tile_release(); return 0; }\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return subprocess.run([*shlex.split(get_cxx_compiler()), *flags, "-x", "c++", "-c", "-", "-o",
+                                   os.path.join(tmp, "probe.o")], input=probe, capture_output=True,
+                                  timeout=60).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
 
 
 @cache

@@ -35,7 +35,8 @@ def test_generate_in_input_order_and_matches_alone(llm, reference):
     assert "Paris" in outs[1].outputs[0].text
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
+# recompute on the demo model is heavy (CI time): tests/model/test_bitwise_invariance.py checks it on tiny GGUFs
+@pytest.mark.parametrize("mode", ["swap", pytest.param("recompute", marks=pytest.mark.heavy)])
 def test_preemption_on_the_demo_model(reference, mode):
     # 12 blocks of 4 tokens for 6 prompts of ~5 tokens + 24 outputs: forces preemption.
     small = LLM(num_kv_blocks=12, block_size=4, preemption_mode=mode, admission_policy="optimistic", dtype="float32",

@@ -1,7 +1,7 @@
 // Shared helpers of the CPU kernels: fp32 <-> bf16 and 16-lane loads widened to fp32.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

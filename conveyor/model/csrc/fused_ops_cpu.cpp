@@ -1,6 +1,6 @@
 // Fused elementwise ops for the CPU decoder layer, fp32 or bf16 storage with fp32 math: each
 // replaces 3-10 small torch ops and as many passes over the activations.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"

@@ -3,7 +3,7 @@
 // AVX512-BF16 dot products where the CPU has them (each instruction: 32 bf16 pairs into 16 fp32
 // sums), widened fp32 FMAs on other AVX-512 CPUs and a scalar loop elsewhere; fp32 weights use
 // FMAs. Accumulation is in fp32; the output has x's dtype.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"

@@ -2,7 +2,7 @@
 // Python in bindings.cpp, and called from C++ by decode_layers_cpu.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <tuple>
 #include <vector>

@@ -9,7 +9,7 @@
 // context_lens: [D] int64                 tokens of context (including the new one)
 // window:       > 0: a query attends to its last `window` tokens only (sliding-window layers)
 // returns       [D, H, d]
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"

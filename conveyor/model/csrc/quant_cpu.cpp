@@ -10,7 +10,7 @@
 //   steps of 16+ tokens on AMX-INT8 tiles where the CPU has them, the same integers and bits).
 // A plain row: ggml's blocks one after another along K. The type follows from the row's bytes
 // per block of 32 (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34; x16: 16 times that per group of 16 rows).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "cpu_vec.h"
@@ -716,6 +716,8 @@ void x16_amx(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                         return QT == kQ8_0 ? static_cast<const void*>(w + (g + gg) * gbytes + b * kRows * QT + kRows * hdr)
                                            : static_cast<const void*>(cbuf[gg]);
                     };
+                    // GCC 12's tile loads are asm without a memory operand: keep the cbuf stores before them.
+                    asm volatile("" ::: "memory");
                     _tile_loadd(2, codes_at(0), 64);
                     if (ng == 2) _tile_loadd(3, codes_at(ng - 1), 64);
                     for (int64_t m = m0; m < m1; m += 2 * kTileTokens) {
