@@ -63,6 +63,23 @@ def interleaved(names: list[str], rounds: int, measure) -> dict[str, list]:
     return out
 
 
+def with_long_prefill(engine: Engine, reqs) -> tuple[float, float]:
+    """Output tok/s on `reqs`, then a 1,000-token prompt's prefill in ms, on one engine."""
+    long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
+    return run_conveyor(engine, reqs)["output_tok_s"], 1e3 * run_conveyor(engine, [(long_prompt, 1)])["wall_s"]
+
+
+def split_rounds(both: dict[str, list[tuple[float, float]]]) -> tuple[dict, dict, dict, dict]:
+    """with_long_prefill's rounds per name: tok/s runs, prefill runs, and the medians of each."""
+    import statistics
+
+    runs = {k: [t for t, _ in v] for k, v in both.items()}
+    prefill = {k: [p for _, p in v] for k, v in both.items()}
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    pre = {k: statistics.median(v) for k, v in prefill.items()}
+    return runs, prefill, med, pre
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -143,7 +160,6 @@ def compare_bf16_kernels(args) -> None:
 
 def compare_int8_amx(args) -> None:
     import os
-    import random
     import statistics
 
     from conveyor.model.cpu_kernels import load_cpu_kernels
@@ -161,19 +177,14 @@ def compare_int8_amx(args) -> None:
         del os.environ["CONVEYOR_QUANT_BF16"]
     for e in {id(e): e for e in engines.values()}.values():
         run_conveyor(e, [([1, 2, 3], 4)])   # warm-up
-    long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
 
-    def measure(k: str) -> tuple[float, float]:   # output tok/s, the long prompt's prefill in ms
+    def measure(k: str) -> tuple[float, float]:
         kernels.set_int8_amx(k != "vnni")
-        e = engines[k]
-        return run_conveyor(e, reqs)["output_tok_s"], 1e3 * run_conveyor(e, [(long_prompt, 1)])["wall_s"]
+        return with_long_prefill(engines[k], reqs)
 
     both = interleaved(list(engines), max(args.repeats, 3), measure)
     kernels.set_int8_amx(True)
-    runs = {k: [t for t, _ in v] for k, v in both.items()}
-    prefill = {k: [p for _, p in v] for k, v in both.items()}
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    pre = {k: statistics.median(v) for k, v in prefill.items()}
+    runs, prefill, med, pre = split_rounds(both)
     ratios = {k: [a / b for a, b in zip(runs["amx"], runs[k])] for k in engines if k != "amx"}
     result = {"dtype": int8.dtype, "runs": runs, "median": med, "ratio_per_round": ratios, "prefill_1000_ms": prefill,
               "machine": machine()}
@@ -188,7 +199,6 @@ def compare_int8_amx(args) -> None:
 
 
 def compare_invariance(args) -> None:
-    import random
     import statistics
 
     from conveyor.profile import machine
@@ -198,19 +208,15 @@ def compare_invariance(args) -> None:
     backend = engine.runner.model.attn_backend
     default = bool(getattr(backend, "rowwise_prefill", False))
     run_conveyor(engine, [([1, 2, 3], 4)])   # warm-up
-    long_prompt = [random.Random(1).randrange(100, 40000) for _ in range(1000)]
 
-    def measure(k: str) -> tuple[float, float]:   # output tok/s, the long prompt's prefill in ms
+    def measure(k: str) -> tuple[float, float]:
         backend.rowwise_prefill = k == "rowwise"
-        return (run_conveyor(engine, reqs)["output_tok_s"], 1e3 * run_conveyor(engine, [(long_prompt, 1)])["wall_s"])
+        return with_long_prefill(engine, reqs)
 
     both = interleaved(["rowwise", "sdpa"], max(args.repeats, 3), measure)
     backend.rowwise_prefill = default
-    runs = {k: [t for t, _ in v] for k, v in both.items()}
-    prefill = {k: [p for _, p in v] for k, v in both.items()}
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    runs, prefill, med, pre = split_rounds(both)
     ratios = [a / b for a, b in zip(runs["rowwise"], runs["sdpa"])]
-    pre = {k: statistics.median(v) for k, v in prefill.items()}
     result = {"dtype": engine.dtype, "default_rowwise": default, "runs": runs, "median": med,
               "ratio_per_round": ratios, "prefill_1000_ms": prefill, "machine": machine()}
     line = (f"64 reqs, {engine.dtype}, quantization {args.quantization}, {result['machine']['cpu_family']}: prompts' "

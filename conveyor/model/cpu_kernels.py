@@ -34,21 +34,29 @@ def _cpu_flags() -> list[str]:
 
 def _compiler_builds_amx(flags: list[str]) -> bool:
     """Whether the C++ compiler and assembler build AMX code with `flags` (an old compiler or binutils
-    may not know AMX's; the kernels then build without it rather than not at all)."""
+    may not know AMX's; the kernels then build without it rather than not at all). The probe compile
+    takes ~1 s, so its answer is remembered per machine and compiler version."""
     import shlex
     import subprocess
     import tempfile
 
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    probe = b"#include <immintrin.h>\nint main() { _tile_zero(0); _tile_release(); return 0; }\n"
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            return subprocess.run([*shlex.split(get_cxx_compiler()), *flags, "-x", "c++", "-c", "-", "-o",
-                                   os.path.join(tmp, "probe.o")], input=probe, capture_output=True,
-                                  timeout=60).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            return False
+    from conveyor.model.probe_cache import remembered
+
+    cxx = shlex.split(get_cxx_compiler())
+
+    def probe() -> bool:
+        source = b"#include <immintrin.h>\nint main() { _tile_zero(0); _tile_release(); return 0; }\n"
+        with tempfile.TemporaryDirectory() as tmp:
+            return subprocess.run([*cxx, *flags, "-x", "c++", "-c", "-", "-o", os.path.join(tmp, "probe.o")],
+                                  input=source, capture_output=True, timeout=60).returncode == 0
+
+    try:
+        version = subprocess.run([*cxx, "-dumpfullversion"], capture_output=True, text=True, timeout=60).stdout.strip()
+        return bool(remembered(f"compiler_builds_amx/{' '.join(cxx)} {version}", probe))
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 @cache

@@ -58,6 +58,12 @@ inline void with_tokens(int64_t count, F&& f) {
     }
 }
 
+// f(mc, m) for tokens [first, M) in passes of up to kMaxM from token m (mc: with_tokens' constant).
+template <typename F>
+inline void token_passes(int64_t first, int64_t M, F&& f) {
+    for (int64_t m = first; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m); });
+}
+
 // f(std::integral_constant<int, QT>{}) for the block type `qt` (one of QType).
 template <typename F>
 inline void with_qtype(int qt, F&& f) {
@@ -87,7 +93,7 @@ inline void row_passes(int64_t N, int64_t M, F&& f) {
     const int64_t block = 16, blocks = (N + block - 1) / block;
     conveyor::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         const int64_t n0 = b0 * block, n1 = std::min(N, b1 * block);
-        for (int64_t m = 0; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m, n0, n1); });
+        token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, n0, n1); });
     });
 }
 
@@ -491,7 +497,7 @@ template <typename F>
 inline void group_passes(int64_t N, int64_t M, F&& f) {
     conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; ++g)
-            for (int64_t m = 0; m < M; m += kMaxM) with_tokens(M - m, [&](auto mc) { f(mc, m, g); });
+            token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, g); });
     });
 }
 
@@ -761,11 +767,9 @@ void x16_amx(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                     }
             }
             for (int gg = 0; gg < ng; ++gg)   // the tokens short of a pair of tiles: VNNI
-                for (int64_t m = Mt; m < M; m += kMaxM)
-                    with_tokens(M - m, [&](auto mc) {
-                        x16_group<QT, decltype(mc)::value>(X, m, nb, w + (g + gg) * gbytes, bias, y, ldy,
-                                                           (g + gg) * kRows);
-                    });
+                token_passes(Mt, M, [&](auto mc, int64_t m) {
+                    x16_group<QT, decltype(mc)::value>(X, m, nb, w + (g + gg) * gbytes, bias, y, ldy, (g + gg) * kRows);
+                });
         }
         _tile_release();
     });
