@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rate", type=float, default=2.0, help="req/s of the equal-rate TTFT run")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--name", default=None, help="results name (default: llamacpp_serve[_MODEL]); one per machine kind")
     ap.add_argument("--conveyor-args", default="", help="extra `conveyor serve` flags (e.g. --dtype float32)")
     args = ap.parse_args()
     from conveyor.bench.serve import ServerProcess
@@ -103,7 +104,7 @@ def main() -> None:
         print(run, {k: round(v, 3) for k, v in summary[run].items()})
     cpu, flags = cpu_info()
     c, r = summary["concurrent"], summary["rate"]
-    name = "llamacpp_serve" if args.model is None else f"llamacpp_serve_{Path(model).stem}"
+    name = args.name or ("llamacpp_serve" if args.model is None else f"llamacpp_serve_{Path(model).stem}")
     save(name, {"model": model, "cpu": cpu, "cpu_flags": sorted(f for f in flags if "avx" in f or "amx" in f),
                             "conveyor_args": args.conveyor_args, "rounds": args.rounds, "summary": summary,
                             "runs": results},

@@ -15,6 +15,14 @@ if [ ! -d "$DIR/src" ]; then
     tar -xzf "$DIR"/dl/llama_cpp_python-*.tar.gz -C "$DIR/src" --strip-components=1
 fi
 SRC="$DIR/src/vendor/llama.cpp"
+# llama.cpp bug #20824 (fix proposed in its PR #26954): ggml's AMX matmul builds its tile configuration
+# on the stack, and GCC drops the stores before LDTILECFG, so the first multi-token batch on an AMX CPU
+# faults (llama-server dies in its warm-up; llama-bench tg, one token at a time, runs). A compiler
+# barrier that takes the configuration's address keeps the stores. Applied once; a no-op elsewhere.
+MMQ="$SRC/ggml/src/ggml-cpu/amx/mmq.cpp"
+if [ -f "$MMQ" ] && ! grep -q 'conveyor: keep the tile config' "$MMQ"; then
+    sed -i 's|^\( *\)_tile_loadconfig(&tc);|\1asm volatile("" : : "r"(\&tc) : "memory");  // conveyor: keep the tile config\n\1_tile_loadconfig(\&tc);|' "$MMQ"
+fi
 cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF > "$DIR/cmake.log"
 cmake --build "$DIR/build" -j "$(nproc)" --target llama-bench llama-server llama-batched-bench > "$DIR/build.log"

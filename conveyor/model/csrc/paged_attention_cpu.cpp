@@ -46,6 +46,25 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
     for (int i = 0; i < len; ++i) dst[i] = widen(src[i]);
 }
 
+// Walks one KV head's rows of a sequence in token order through its block table: the next token's
+// row without the two integer divisions per token (tens of cycles each) an index computation costs.
+template <typename T>
+struct RowCursor {
+    const T* head;
+    const int64_t* table;
+    int64_t bs, hd, blk, off;
+    RowCursor(const T* head, const int64_t* table, int64_t t, int64_t bs, int64_t hd)
+        : head(head), table(table), bs(bs), hd(hd), blk(t / bs), off(t % bs) {}
+    const T* next() {
+        const T* row = head + (table[blk] * bs + off) * hd;
+        if (++off == bs) {
+            off = 0;
+            ++blk;
+        }
+        return row;
+    }
+};
+
 template <int HD>
 inline float dot(const float* __restrict a, const float* __restrict b, int n) {
     float s = 0.f;
@@ -74,14 +93,15 @@ void decode_item(const float* qs, const T* kh, const T* vh, const int64_t* table
     auto& row = sc.row;
     row.resize(d);
     scores.assign(G * n, 0.f);
+    RowCursor<T> krow(kh, table, first, bs, d), vrow(vh, table, first, bs, d);
     for (int64_t t = first; t < L; ++t) {
-        load_row<T, HD>(kh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+        load_row<T, HD>(krow.next(), row.data(), (int)d);
         for (int64_t g = 0; g < G; ++g) scores[g * n + t - first] = dot<HD>(qs + g * d, row.data(), (int)d) * scale;
     }
     softmax_rows(scores.data(), G, n);
     acc.assign(G * d, 0.f);
     for (int64_t t = first; t < L; ++t) {
-        load_row<T, HD>(vh + (table[t / bs] * bs + t % bs) * d, row.data(), (int)d);
+        load_row<T, HD>(vrow.next(), row.data(), (int)d);
         for (int64_t g = 0; g < G; ++g) axpy<HD>(acc.data() + g * d, row.data(), scores[g * n + t - first], (int)d);
     }
     std::copy(acc.begin(), acc.end(), out);
@@ -103,14 +123,13 @@ inline __m512 reduce16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-// Ask for the rows of tokens [from, to) ahead of use: their blocks sit anywhere in the cache,
+// Ask for the next `count` rows of a cursor ahead of use: their blocks sit anywhere in the cache,
 // where the hardware prefetcher cannot guess them.
-template <typename T>
-inline void prefetch_rows(const T* head, const int64_t* table, int64_t from, int64_t to, int64_t bs, int64_t hd) {
-    const int64_t bytes = hd * (int64_t)sizeof(T);
-    for (int64_t t = from; t < to; ++t) {
-        const char* row = reinterpret_cast<const char*>(head + (table[t / bs] * bs + t % bs) * hd);
-        for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
+template <typename T, int HD>
+inline void prefetch_rows(RowCursor<T>& ahead, int64_t count) {
+    for (int64_t t = 0; t < count; ++t) {
+        const char* row = reinterpret_cast<const char*>(ahead.next());
+        for (int64_t off = 0; off < HD * (int64_t)sizeof(T); off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
     }
 }
 
@@ -134,14 +153,13 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
 #endif
     const int64_t N = L - first;   // tokens attended
     scores.resize(G * N);
+    // krow: the rows in use; kahead: 16 tokens ahead of it, for the prefetches.
+    RowCursor<T> krow(kh, table, first, bs, HD), kahead(kh, table, std::min(L, first + 16), bs, HD);
     for (int64_t t0 = first; t0 < L; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, L - t0);
         const T* rows[16];
-        for (int64_t j = 0; j < n; ++j) {
-            const int64_t t = t0 + j;
-            rows[j] = kh + (table[t / bs] * bs + t % bs) * HD;
-        }
-        prefetch_rows(kh, table, t0 + 16, std::min<int64_t>(L, t0 + 32), bs, HD);
+        for (int64_t j = 0; j < n; ++j) rows[j] = krow.next();
+        prefetch_rows<T, HD>(kahead, std::min<int64_t>(L, t0 + 32) - std::min<int64_t>(L, t0 + 16));
         for (int g = 0; g < G; ++g) {
             __m512 part[16];
             for (int64_t j = 0; j < 16; ++j) {
@@ -170,9 +188,10 @@ void decode_item_avx512(const float* qs, const T* kh, const T* vh, const int64_t
     __m512 acc[G][C];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    RowCursor<T> vrow(vh, table, first, bs, HD), vahead(vh, table, std::min(L, first + 16), bs, HD);
     for (int64_t t = first; t < L; ++t) {
-        if ((t - first) % 16 == 0) prefetch_rows(vh, table, t + 16, std::min<int64_t>(L, t + 32), bs, HD);
-        const T* vt = vh + (table[t / bs] * bs + t % bs) * HD;
+        if ((t - first) % 16 == 0) prefetch_rows<T, HD>(vahead, std::min<int64_t>(L, t + 32) - std::min<int64_t>(L, t + 16));
+        const T* vt = vrow.next();
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = load16<T>(vt + 16 * c);
         for (int g = 0; g < G; ++g) {
@@ -221,10 +240,14 @@ void dispatch(const float* q, const T* kc, const T* vc, const int64_t* tables, c
               float scale, int64_t W) {
     const int64_t G = H / KVH, head_stride = NB * BS * d;   // one KV head of the cache
     const AttnItemFn<T> fn = item_kernel<T>(d, G);
+    // KV head by KV head (a prompt's queries all read one head's rows: a thread keeps them in its
+    // cache), and within a head the sequences in the order 0, D-1, 1, D-2, ...: a prompt's queries
+    // (their contexts growing one token at a time) split into equal work, not the short half to one
+    // thread and the long half to another. Which thread computes an item changes none of its bits.
     at::parallel_for(0, D * KVH, 1, [&](int64_t begin, int64_t end) {
         AttnScratch sc;
         for (int64_t item = begin; item < end; ++item) {
-            const int64_t s = item / KVH, h = item % KVH;
+            const int64_t h = item / D, k = item % D, s = k % 2 == 0 ? k / 2 : D - 1 - k / 2;
             fn(q + (s * H + h * G) * d, kc + h * head_stride, vc + h * head_stride, tables + s * row_stride,
                W > 0 ? std::max<int64_t>(0, lens[s] - W) : 0, lens[s], BS, d, G, out + (s * H + h * G) * d, scale, sc);
         }
