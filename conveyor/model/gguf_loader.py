@@ -138,7 +138,7 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
     (q/k/v, gate/up) with a dense piece is made dense whole by ``loader.build_model``."""
     from gguf.quants import dequantize
 
-    from conveyor.model.quant import K_RECODED, QuantTensor, q3k_as_q6k
+    from conveyor.model.quant import QuantTensor
 
     permute = cfg.model_type in _PERMUTED_ARCHS
     out = {}
@@ -149,8 +149,6 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
         name = _hf_name(t.name, cfg.model_type)
         keep = kind in native and len(t.shape) == 2
         w = np.array(t.data) if keep else np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if keep and kind in K_RECODED:   # computed as a type the kernels have, the same weights bit for bit
-            w, kind = q3k_as_q6k(w), K_RECODED[kind]
         if cfg.norm_unit_offset and name.endswith("norm.weight"):
             w = w - np.float32(1)   # llama.cpp stores Gemma's (1 + w); HF names hold w
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):

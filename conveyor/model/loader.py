@@ -266,17 +266,17 @@ def _return_freed_memory() -> None:
 def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tuple[str, ...]:
     """The GGUF types of this file computed as stored here (empty: dequantize everything). `auto`
     only where the kernels have their vector paths (AVX-512); asked for, anywhere they build. K-quants
-    (and Q3_K, re-encoded as Q6_K at load) only under `auto` on AVX512-VNNI: they have only the
+    only under `auto` on AVX512-VNNI: they have only the
     int8 kernel (a bf16 model's activations are rounded to int8 there too)."""
     from conveyor.model.gguf_loader import gguf_tensor_types
     from conveyor.model.probe_cache import cpu_info
-    from conveyor.model.quant import K_RECODED, K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
+    from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
 
     if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
         return ()
     kernels = set(NATIVE_BLOCK_BYTES)
     if auto and native_available(device, dtype) and int8_activations_native():
-        kernels |= set(K_SUPER_BYTES) | set(K_RECODED)   # fp32 or bf16 activations, rounded to int8 in the kernel
+        kernels |= set(K_SUPER_BYTES)   # fp32 or bf16 activations, rounded to int8 in the kernel
     try:
         types = tuple(sorted(gguf_tensor_types(path) & kernels))
     except Exception:   # noqa: BLE001 - a damaged file: the conversion reports it, clearly

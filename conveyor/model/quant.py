@@ -16,8 +16,8 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
   ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
 - otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
-K-quants (Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI), for fp32
-and bf16 models; Q3_K there too, re-encoded at load as Q6_K with the same weights (``q3k_as_q6k``). Other GGUF types (F16, Q5_1, Q2_K, ...) are dequantized at load as with
+K-quants (Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI), for
+fp32 and bf16 models. Other GGUF types (F16, Q5_1, Q2_K, ...) are dequantized at load as with
 ``--quantization none``, which dequantizes everything to ``--dtype`` (the pre-existing path, cached
 on disk).
 """
@@ -41,42 +41,8 @@ NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}   # bytes 
 BLOCK = 32
 # K-quants: bytes per super-block of 256 weights. Computed as stored only with int8 activations (the
 # x16 layout, AVX512-VNNI); elsewhere they are dequantized at load.
-K_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_SUPER_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 SUPER = 256
-# K-quants re-encoded at load into a type the kernels compute, with the same weights bit for bit:
-# Q3_K (3.44 bits per weight) as Q6_K (6.56), 1.91x its bytes but 2.4x fewer than bf16.
-K_RECODED = {"Q3_K": "Q6_K"}
-
-
-def q3k_as_q6k(data: np.ndarray) -> np.ndarray:
-    """Q3_K super-blocks (uint8 [rows, n * 110]) as Q6_K ones (uint8 [rows, n * 210]) holding the same
-    weights: Q3_K's weight d * (s - 32) * q (q = low 2 bits - 4 * (1 - high bit), -4..3; s 6 bits
-    per 16 weights) is Q6_K's d * s' * (c - 32) with s' = s - 32 (int8) and c = q + 32 (6 bits), the
-    same fp32 products in the same order (ggml's layouts, as the gguf package reads them). In chunks
-    of rows, so that the temporaries stay small beside a large tensor (an 8B model's embedding)."""
-    rows, chunk = data.shape[0], 4096
-    if rows > chunk:
-        out = np.empty((rows, data.shape[1] // 110 * 210), dtype=np.uint8)
-        for r in range(0, rows, chunk):
-            out[r:r + chunk] = q3k_as_q6k(data[r:r + chunk])
-        return out
-    b = data.reshape(-1, 110)
-    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], b[:, 108:110]
-    low, high = sc[:, :8], sc[:, 8:12]
-    scales = np.concatenate([low & 0xF, low >> 4], axis=1) | (
-        np.concatenate([(high >> (2 * k)) & 3 for k in range(4)], axis=1) << 4)   # 16 x 6 bits
-    scales = (scales.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
-    low2 = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3   # [h, j, l]
-    hbit = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1          # [b, l]
-    code = (low2.reshape(-1, 256) + 28 + 4 * hbit.reshape(-1, 256)).astype(np.uint8)   # q + 32: 28..35
-    c = code.reshape(-1, 2, 2, 64)   # weight 128h + 64s + l: low 4 bits in byte 64h + l, nibble s
-    ql = (c[:, :, 0] & 0xF) | ((c[:, :, 1] & 0xF) << 4)
-    c = code.reshape(-1, 2, 4, 32)   # weight 128h + 32q + l: high 2 bits in byte 32h + l, bits 2q
-    qh = sum(((c[:, :, q] >> 4) & 3) << (2 * q) for q in range(4)).astype(np.uint8)
-    out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scales, d], axis=1)
-    return np.ascontiguousarray(out).reshape(rows, -1)
-
-
 def int8_activations_native() -> bool:
     """Whether the int8-activation kernel runs on int8 dot products here (AVX512-VNNI): a CPU
     feature, so the same command always chooses the same numerics on a machine."""

@@ -153,7 +153,8 @@ def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
 
 def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
     """Random K-quant super-blocks (gguf cannot quantize to K types): random codes (Q5_K: and fifth
-    bits), 6-bit scales and minima (Q4_K, Q5_K) or int8 scales (Q6_K), small fp16 super-block scales;
+    bits; Q3_K: and high bits), 6-bit scales and minima (Q4_K, Q5_K), 6-bit scales (Q3_K) or int8 scales
+    (Q6_K), small fp16 super-block scales;
     the reference is gguf's dequantization."""
     g = np.random.default_rng(seed)
     nbytes = K_SUPER_BYTES[qtype]
@@ -161,8 +162,8 @@ def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor,
     d = (g.random((rows, cols // SUPER, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
     if qtype in ("Q4_K", "Q5_K"):
         data[:, :, 0:4] = d.reshape(rows, cols // SUPER, 4)
-    else:
-        data[:, :, 208:210] = d[:, :, :2].reshape(rows, cols // SUPER, 2) if d.shape[-1] == 2 else d[:, :, :2]
+    else:   # d is the last 2 bytes
+        data[:, :, nbytes - 2:nbytes] = d[:, :, :2]
     data = np.ascontiguousarray(data.reshape(rows, -1))
     kind = gguf.GGMLQuantizationType[qtype]
     dense = torch.from_numpy(gguf.quants.dequantize(data, kind).astype(np.float32))
@@ -185,13 +186,14 @@ def _k_mins(w: QuantTensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(K_SUPER_BYTES))
 def test_k_quant_kernel_computes_its_definition(qtype):
-    """Q4_K / Q5_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding give
-    gguf's weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's
-    and Q5_K's minima times the exact block sums of x; Q6_K's zero of 32 per 16 weights in integers)."""
+    """Q3_K / Q4_K / Q5_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding
+    give gguf's weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's
+    and Q5_K's minima times the exact block sums of x; Q6_K's zero of 32 and Q3_K's of 4 per 16 weights
+    in integers)."""
     w, dense = _random_k(qtype, 48, 512, seed=5)
     r = w.for_int8()
     assert r.x16 and r.data.dim() == 3 and r.out_features == 48
-    assert r.data.numel() <= {"Q4_K": 1.03, "Q5_K": 1.025, "Q6_K": 1.0}[qtype] * w.data.numel()
+    assert r.data.numel() <= {"Q3_K": 1.04, "Q4_K": 1.03, "Q5_K": 1.025, "Q6_K": 1.0}[qtype] * w.data.numel()
     torch.testing.assert_close(KERNELS.qdequant(r.data, 512, torch.float32), dense, rtol=1e-6, atol=1e-7)
     ids = torch.tensor([[3, 0], [47, 17]])
     torch.testing.assert_close(KERNELS.qembedding(r.data, ids, 512, torch.float32), dense[ids.view(-1)],
@@ -201,7 +203,7 @@ def test_k_quant_kernel_computes_its_definition(qtype):
     for tokens in (1, 3, 8, 11):
         x = torch.randn(tokens, 512, generator=g)
         x[0, 32:64] = 0   # an all-zero block: scale 0
-        if qtype != "Q6_K":
+        if qtype in ("Q4_K", "Q5_K"):
             mins = _k_mins(w)   # dense = scale * code - min: the int8 terms multiply scale * code
             xb = x.double().view(tokens, -1, BLOCK)
             want = _int8_reference(x, w, dense + mins.float().repeat_interleave(BLOCK, 1), plain=True) \
@@ -215,26 +217,6 @@ def test_k_quant_kernel_computes_its_definition(qtype):
     x16 = torch.randn(3, 512, generator=g).bfloat16()   # bf16 activations: widened, the same arithmetic
     torch.testing.assert_close(KERNELS.qgemv(x16, r.data, None).float(),
                                KERNELS.qgemv(x16.float(), r.data, None), rtol=1e-2, atol=1e-2)
-
-
-def test_q3_k_recoded_as_q6_k_holds_the_same_weights():
-    """Q3_K has no kernel of its own: at load it becomes Q6_K (quant.q3k_as_q6k), which the int8
-    kernel computes. gguf's own dequantization of the two must be the same floats, bit for bit, on
-    random super-blocks (every code, high bit and 6-bit scale pattern; finite fp16 d)."""
-    from conveyor.model.quant import q3k_as_q6k
-
-    rng = np.random.default_rng(5)
-    data = rng.integers(0, 256, size=(32, 6 * 110), dtype=np.uint8)
-    d = (rng.standard_normal((32, 6)) * 0.01).astype(np.float16)
-    data.reshape(32, 6, 110)[:, :, 108:110] = d.view(np.uint8).reshape(32, 6, 2)
-    recoded = q3k_as_q6k(data)
-    assert recoded.shape == (32, 6 * 210) and recoded.dtype == np.uint8
-    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q3_K)
-    got = gguf.quants.dequantize(recoded, gguf.GGMLQuantizationType.Q6_K)
-    assert np.array_equal(got, want)
-    assert len(np.unique(want)) > 1000   # not a degenerate case
-    big = np.tile(data[:, :110], (129, 1))   # 4128 rows: converted in chunks of 4096 rows
-    assert np.array_equal(q3k_as_q6k(big), np.tile(recoded[:, :210], (129, 1)))
 
 
 def test_kernels_refuse_what_they_cannot_read():
@@ -399,7 +381,7 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
     """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
     llama.cpp mixes them in a Q4_K_M / Q5_K_M file, or Q3_K with Q4_K and Q6_K, at a model's shapes,
     the demo tokenizer) load and generate, holding their matmul weights in about the file's bytes
-    (K mixes: where int8 activations run; Q3_K is held as Q6_K, 1.91x its bytes), and K mixes give the
+    (K mixes: where int8 activations run), and K mixes give the
     logits of the same file dequantized."""
     from conveyor.model.loader import load_model
     from conveyor.model.quant import int8_activations_native
@@ -428,11 +410,8 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
         held = llm.engine.loaded.model.weight_bytes()
     assert len(out[0].outputs[0].token_ids) == 4
-    recoded = {"Q3_K": "Q6_K"}.get(qtype[:4])   # re-encoded at load: its bytes grow by 210 / 110
-    assert held[recoded or qtype[:4]] > 0 and (not k_mix or held["Q6_K"] > 0)
-    reader = gguf.GGUFReader(str(path))
-    expected = tensor_bytes + sum(int(t.n_bytes) * 100 / 110 for t in reader.tensors if t.tensor_type.name == "Q3_K")
-    assert abs(sum(held.values()) - expected) <= 0.1 * expected
+    assert held[qtype[:4]] > 0 and (not k_mix or held["Q6_K"] > 0)
+    assert abs(sum(held.values()) - tensor_bytes) <= 0.1 * tensor_bytes
     if k_mix:   # every matmul as stored (int8 activations) vs the file dequantized to fp32
         stored, dense = load_model(path).model, load_model(path, quantization="none").model
         prompts = random_prompts([1, 9, 40], seed=3)

@@ -893,7 +893,7 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
     return out;
 }
 
-// ---- K-quants (Q4_K, Q5_K, Q6_K): super-blocks of 256 weights, in an x16 layout only -------------
+// ---- K-quants (Q3_K, Q4_K, Q5_K, Q6_K): super-blocks of 256 weights, in an x16 layout only -------
 // ggml's plain super-blocks (bytes per 256 weights):
 //   Q4_K (144): d, dmin (fp16); 12 bytes of 6-bit scales and minima of 8 sub-blocks of 32; 128 bytes
 //     of 4-bit codes, bytes 32p..32p+31 holding sub-block 2p (low nibbles) and 2p+1 (high nibbles);
@@ -902,6 +902,9 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //     sub-block s); then Q4_K's 128 bytes of low 4 bits. code = low | fifth << 4, 0..31.
 //   Q6_K (210): 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales (one per 16
 //     weights), d (fp16); weight = d * scale * (code - 32).
+//   Q3_K (110): 32 bytes of high bits (byte l, bit 4h + k: weight 128h + 32k + l), 64 bytes of low 2
+//     bits (byte 32h + l, bits 2k..2k+1: the same weight), 12 bytes of 16 6-bit scales s, d (fp16);
+//     weight = d * (s - 32) * (code - 4), code = low + 4 * high (0..7).
 // The x16 layout is a 3-D tensor [N / 16, super-blocks, bytes] (its shape tells it from the 32-blocks'
 // layouts); per group of 16 rows and super-block, lane j being row j:
 //   Q4_K (2368 = 16 x 148): 16 d, 16 dmin (fp16); 8 x 16 scale bytes (sub-block-major); 8 x 16 min
@@ -914,24 +917,33 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //     in lane j row j's weights 4c..4c+3 (low nibbles) and 16+4c..16+4c+3 (high nibbles), and 2
 //     chunks of high 2 bits, chunk h holding in lane j byte k bits 2q..2q+1 of weight 4(4h+q)+k
 //     (so code vector t = 4h+q takes them with one shift and one mask).
-// Q4_K's layout is 1.03x the file's bytes, Q5_K's 1.02x.
+//   Q3_K (1824 = 16 x 114): 16 d (fp16); 16 x 16 scale bytes (int8 s - 32, per 16 weights); then per
+//     block of 32 weights 2 chunks of 64 bytes of low 2 bits as Q6_K's high 2 bits (chunk h, lane j,
+//     byte k, bits 2q..2q+1: weight 4(4h+q)+k), and a chunk of high bits (lane j, byte k, bit t:
+//     weight 4t+k).
+// Q4_K's layout is 1.03x the file's bytes, Q5_K's 1.02x, Q3_K's 1.04x.
 // Only the int8 (two-term activation) arithmetic of the 32-blocks' x16 kernel runs them.
-enum KType { kQ4_K = 144, kQ5_K = 176, kQ6_K = 210 };   // bytes per plain super-block of 256
+enum KType { kQ3_K = 110, kQ4_K = 144, kQ5_K = 176, kQ6_K = 210 };   // bytes per plain super-block of 256
 constexpr int kSuper = 256;
-constexpr int64_t kx16_bytes(int KT) { return KT == kQ4_K ? 2368 : KT == kQ5_K ? 2880 : 3360; }
+constexpr int64_t kx16_bytes(int KT) {
+    return KT == kQ4_K ? 2368 : KT == kQ5_K ? 2880 : KT == kQ6_K ? 3360 : 1824;
+}
 constexpr int64_t kFifthBits = 2368;   // where Q5_K's fifth bits start in its x16 super-block
-// Q4_K and Q5_K: weight = d * scale * code - dmin * min (Q6_K: a zero of 32 instead of minima).
-constexpr bool has_min(int KT) { return KT != kQ6_K; }
+// Q4_K and Q5_K: weight = d * scale * code - dmin * min; Q6_K and Q3_K: a zero code (32, 4) instead of
+// minima, int8 scales per 16 weights.
+constexpr bool has_min(int KT) { return KT == kQ4_K || KT == kQ5_K; }
+constexpr int kzero(int KT) { return KT == kQ6_K ? 32 : 4; }
 
 template <typename F>
 inline void with_ktype(int kt, F&& f) {
     if (kt == kQ4_K) f(std::integral_constant<int, kQ4_K>{});
     else if (kt == kQ5_K) f(std::integral_constant<int, kQ5_K>{});
+    else if (kt == kQ3_K) f(std::integral_constant<int, kQ3_K>{});
     else f(std::integral_constant<int, kQ6_K>{});
 }
 
 int ktype_of_x16(int64_t bytes) {
-    for (int kt : {kQ4_K, kQ5_K, kQ6_K})
+    for (int kt : {kQ3_K, kQ4_K, kQ5_K, kQ6_K})
         if (bytes == kx16_bytes(kt)) return kt;
     TORCH_CHECK(false, "unknown K-quant x16 layout (", bytes, " bytes per super-block)");
     return 0;
@@ -963,6 +975,21 @@ inline void q6k_codes(const uint8_t* b, uint8_t* codes) {
     }
 }
 
+// Q3_K's 256 codes (0..7: low 2 bits + 4 x high bit) and 16 scales (s - 32, int8).
+inline void q3k_codes(const uint8_t* b, uint8_t* codes, int8_t* scales) {
+    const uint8_t* hm = b;
+    const uint8_t* qs = b + 32;
+    const uint8_t* sc = b + 96;
+    for (int i = 0; i < 16; ++i) {
+        const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4;
+        scales[i] = (int8_t)((low | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32);
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 32; ++l)
+                codes[128 * h + 32 * k + l] = ((qs[32 * h + l] >> (2 * k)) & 3) | (((hm[l] >> (4 * h + k)) & 1) << 2);
+}
+
 template <int KT>
 void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
     at::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
@@ -983,6 +1010,25 @@ void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
                         if constexpr (KT == kQ5_K)
                             for (int t = 0; t < 8; ++t)
                                 for (int i = 0; i < 4; ++i) o[kFifthBits + 64 * t + 4 * j + i] = b[16 + 4 * t + i];
+                    } else if constexpr (KT == kQ3_K) {
+                        int8_t scales[16];
+                        q3k_codes(b, codes, scales);
+                        std::memcpy(o + 2 * j, b + 108, 2);
+                        for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = (uint8_t)scales[i];
+                        for (int blk = 0; blk < 8; ++blk) {
+                            uint8_t* ob = o + 288 + 192 * blk;
+                            const uint8_t* cb = codes + 32 * blk;
+                            for (int k = 0; k < 4; ++k) {
+                                for (int h = 0; h < 2; ++h) {
+                                    uint8_t v = 0;
+                                    for (int q = 0; q < 4; ++q) v |= (cb[4 * (4 * h + q) + k] & 3) << (2 * q);
+                                    ob[64 * h + 4 * j + k] = v;
+                                }
+                                uint8_t hv = 0;
+                                for (int t = 0; t < 8; ++t) hv |= (cb[4 * t + k] >> 2) << t;
+                                ob[128 + 4 * j + k] = hv;
+                            }
+                        }
                     } else {
                         std::memcpy(o + 2 * j, b + 208, 2);
                         for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = b[192 + i];
@@ -1030,6 +1076,19 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
                         codes[64 * p + 32 + 4 * t + i] |= ((fifth >> (2 * p + 1)) & 1) << 4;
                     }
                 }
+    } else if constexpr (KT == kQ3_K) {
+        const float d = half_at(o + 2 * j);
+        for (int i = 0; i < 16; ++i) {
+            scale16[i] = d * (float)(int8_t)o[32 + 16 * i + j];
+            min16[i] = 4.f * scale16[i];
+        }
+        for (int blk = 0; blk < 8; ++blk) {
+            const uint8_t* ob = o + 288 + 192 * blk;
+            for (int t = 0; t < 8; ++t)
+                for (int k = 0; k < 4; ++k)
+                    codes[32 * blk + 4 * t + k] = ((ob[64 * (t / 4) + 4 * j + k] >> (2 * (t % 4))) & 3) |
+                                                  (((ob[128 + 4 * j + k] >> t) & 1) << 2);
+        }
     } else {
         const float d = half_at(o + 2 * j);
         for (int i = 0; i < 16; ++i) {
@@ -1094,10 +1153,10 @@ void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int6
                             dot += (int)codes[16 * h + i] * xq[i];
                             dot2 += (int)codes[16 * h + i] * xq2[i];
                         }
-                        if (KT == kQ6_K) {
+                        if (!has_min(KT)) {
                             const bool lo = h % 2 == 0;
-                            dot -= 32 * (lo ? X.qsum_lo[r] : X.qsum[r] - X.qsum_lo[r]);
-                            dot2 -= 32 * (lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r]);
+                            dot -= kzero(KT) * (lo ? X.qsum_lo[r] : X.qsum[r] - X.qsum_lo[r]);
+                            dot2 -= kzero(KT) * (lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r]);
                         }
                         s[m] += ((float)dot * X.d[r] + (float)dot2 * X.d2[r]) * scale16[h];
                         if (has_min(KT) && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
@@ -1169,6 +1228,26 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
         } else {
             const __m512i hmask = _mm512_set1_epi8(0x30);
             for (int blk = 0; blk < 8; ++blk) {
+                if constexpr (KT == kQ3_K) {
+                    const uint8_t* cp = o + 288 + 192 * blk;
+                    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+                    const __m512i hb = _mm512_loadu_si512(cp + 128);
+                    for (int h = 0; h < 2; ++h) {   // low 2 bits (as Q6_K's high 2), then bit t of hb to bit 2
+                        const __m512i lb = _mm512_loadu_si512(cp + 64 * h);
+                        codes[4 * h] = _mm512_and_si512(lb, three);
+                        codes[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(lb, 2), three);
+                        codes[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(lb, 4), three);
+                        codes[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(lb, 6), three);
+                    }
+                    codes[0] = _mm512_or_si512(codes[0], _mm512_and_si512(_mm512_slli_epi16(hb, 2), four));
+                    codes[1] = _mm512_or_si512(codes[1], _mm512_and_si512(_mm512_slli_epi16(hb, 1), four));
+                    codes[2] = _mm512_or_si512(codes[2], _mm512_and_si512(hb, four));
+                    codes[3] = _mm512_or_si512(codes[3], _mm512_and_si512(_mm512_srli_epi16(hb, 1), four));
+                    codes[4] = _mm512_or_si512(codes[4], _mm512_and_si512(_mm512_srli_epi16(hb, 2), four));
+                    codes[5] = _mm512_or_si512(codes[5], _mm512_and_si512(_mm512_srli_epi16(hb, 3), four));
+                    codes[6] = _mm512_or_si512(codes[6], _mm512_and_si512(_mm512_srli_epi16(hb, 4), four));
+                    codes[7] = _mm512_or_si512(codes[7], _mm512_and_si512(_mm512_srli_epi16(hb, 5), four));
+                } else {
                 const uint8_t* cp = o + 288 + 384 * blk;
                 for (int c = 0; c < 4; ++c) {
                     const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
@@ -1182,6 +1261,7 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     codes[4 * h + 2] = _mm512_or_si512(codes[4 * h + 2], _mm512_and_si512(hb, hmask));
                     codes[4 * h + 3] = _mm512_or_si512(codes[4 * h + 3], _mm512_and_si512(_mm512_srli_epi32(hb, 2), hmask));
                 }
+                }
                 auto scale = [&](int i) {
                     return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * i)))));
@@ -1193,11 +1273,12 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     __m512i lo, hi, lo2, hi2;
                     dot_halves(codes, X.q.data() + (m0 + m) * K + b * kBlock, lo, hi);
                     dot_halves(codes, X.q2.data() + (m0 + m) * K + b * kBlock, lo2, hi2);
-                    // The codes' zero (32) times each half's activation sum.
-                    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(32 * X.qsum_lo[r]));
-                    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(32 * (X.qsum[r] - X.qsum_lo[r])));
-                    lo2 = _mm512_sub_epi32(lo2, _mm512_set1_epi32(32 * X.qsum2_lo[r]));
-                    hi2 = _mm512_sub_epi32(hi2, _mm512_set1_epi32(32 * (X.qsum2[r] - X.qsum2_lo[r])));
+                    // The codes' zero (32; Q3_K 4) times each half's activation sum.
+                    constexpr int z = kzero(KT);
+                    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(z * X.qsum_lo[r]));
+                    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(z * (X.qsum[r] - X.qsum_lo[r])));
+                    lo2 = _mm512_sub_epi32(lo2, _mm512_set1_epi32(z * X.qsum2_lo[r]));
+                    hi2 = _mm512_sub_epi32(hi2, _mm512_set1_epi32(z * (X.qsum2[r] - X.qsum2_lo[r])));
                     const __m512 d = _mm512_set1_ps(X.d[r]), d2 = _mm512_set1_ps(X.d2[r]);
                     const __m512 va = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
                     const __m512 vb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
@@ -1345,11 +1426,11 @@ torch::Tensor qrepack(torch::Tensor w, int64_t K) {
     return out;
 }
 
-// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 144 Q4_K, 176 Q5_K, 210 Q6_K; N a multiple of
-// 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
+// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K; N a
+// multiple of 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
 torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
-    TORCH_CHECK(bytes == kQ4_K || bytes == kQ5_K || bytes == kQ6_K,
-                "K-quant super-block bytes: 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K), got ", bytes);
+    TORCH_CHECK(bytes == kQ3_K || bytes == kQ4_K || bytes == kQ5_K || bytes == kQ6_K,
+                "K-quant super-block bytes: 110 (Q3_K), 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K), got ", bytes);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "a plain [N, row bytes] weight");
     TORCH_CHECK(K > 0 && K % kSuper == 0 && w.size(1) == K / kSuper * bytes, "row bytes do not match K ", K);
     TORCH_CHECK(w.size(0) % kRows == 0, "x16 needs a multiple of 16 rows, got ", w.size(0));
