@@ -1076,24 +1076,21 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
                         codes[64 * p + 32 + 4 * t + i] |= ((fifth >> (2 * p + 1)) & 1) << 4;
                     }
                 }
-    } else if constexpr (KT == kQ3_K) {
+    } else {   // Q6_K, Q3_K: int8 scales per 16 weights and a zero code
         const float d = half_at(o + 2 * j);
         for (int i = 0; i < 16; ++i) {
             scale16[i] = d * (float)(int8_t)o[32 + 16 * i + j];
-            min16[i] = 4.f * scale16[i];
+            min16[i] = (float)kzero(KT) * scale16[i];
         }
-        for (int blk = 0; blk < 8; ++blk) {
-            const uint8_t* ob = o + 288 + 192 * blk;
-            for (int t = 0; t < 8; ++t)
-                for (int k = 0; k < 4; ++k)
-                    codes[32 * blk + 4 * t + k] = ((ob[64 * (t / 4) + 4 * j + k] >> (2 * (t % 4))) & 3) |
-                                                  (((ob[128 + 4 * j + k] >> t) & 1) << 2);
-        }
-    } else {
-        const float d = half_at(o + 2 * j);
-        for (int i = 0; i < 16; ++i) {
-            scale16[i] = d * (float)(int8_t)o[32 + 16 * i + j];
-            min16[i] = 32.f * scale16[i];
+        if constexpr (KT == kQ3_K) {
+            for (int blk = 0; blk < 8; ++blk) {
+                const uint8_t* ob = o + 288 + 192 * blk;
+                for (int t = 0; t < 8; ++t)
+                    for (int k = 0; k < 4; ++k)
+                        codes[32 * blk + 4 * t + k] = ((ob[64 * (t / 4) + 4 * j + k] >> (2 * (t % 4))) & 3) |
+                                                      (((ob[128 + 4 * j + k] >> t) & 1) << 2);
+            }
+            return;
         }
         for (int blk = 0; blk < 8; ++blk) {
             const uint8_t* ob = o + 288 + 384 * blk;
