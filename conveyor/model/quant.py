@@ -16,8 +16,8 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
   ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
 - otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
-K-quants (Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI), for
-fp32 and bf16 models. Other GGUF types (F16, Q5_1, Q2_K, ...) are dequantized at load as with
+K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI),
+for fp32 and bf16 models. Other GGUF types (F16, Q5_1, ...) are dequantized at load as with
 ``--quantization none``, which dequantizes everything to ``--dtype`` (the pre-existing path, cached
 on disk).
 """
@@ -41,8 +41,10 @@ NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}   # bytes 
 BLOCK = 32
 # K-quants: bytes per super-block of 256 weights. Computed as stored only with int8 activations (the
 # x16 layout, AVX512-VNNI); elsewhere they are dequantized at load.
-K_SUPER_BYTES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+K_SUPER_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 SUPER = 256
+
+
 def int8_activations_native() -> bool:
     """Whether the int8-activation kernel runs on int8 dot products here (AVX512-VNNI): a CPU
     feature, so the same command always chooses the same numerics on a machine."""

@@ -153,8 +153,8 @@ def test_bf16_activations_multiply_the_bf16_models_weights(qtype):
 
 def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor, torch.Tensor]:
     """Random K-quant super-blocks (gguf cannot quantize to K types): random codes (Q5_K: and fifth
-    bits; Q3_K: and high bits), 6-bit scales and minima (Q4_K, Q5_K), 6-bit scales (Q3_K) or int8 scales
-    (Q6_K), small fp16 super-block scales;
+    bits; Q3_K: and high bits), 6-bit scales and minima (Q4_K, Q5_K), 4-bit ones (Q2_K), 6-bit scales
+    (Q3_K) or int8 scales (Q6_K), small fp16 super-block scales;
     the reference is gguf's dequantization."""
     g = np.random.default_rng(seed)
     nbytes = K_SUPER_BYTES[qtype]
@@ -162,6 +162,8 @@ def _random_k(qtype: str, rows: int, cols: int, seed: int) -> tuple[QuantTensor,
     d = (g.random((rows, cols // SUPER, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
     if qtype in ("Q4_K", "Q5_K"):
         data[:, :, 0:4] = d.reshape(rows, cols // SUPER, 4)
+    elif qtype == "Q2_K":   # d, dmin: the last 4 bytes
+        data[:, :, 80:84] = d.reshape(rows, cols // SUPER, 4)
     else:   # d is the last 2 bytes
         data[:, :, nbytes - 2:nbytes] = d[:, :, :2]
     data = np.ascontiguousarray(data.reshape(rows, -1))
@@ -186,14 +188,14 @@ def _k_mins(w: QuantTensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", sorted(K_SUPER_BYTES))
 def test_k_quant_kernel_computes_its_definition(qtype):
-    """Q3_K / Q4_K / Q5_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and embedding
-    give gguf's weights, and the matmul is the two-term int8 activations times the exact weights (Q4_K's
-    and Q5_K's minima times the exact block sums of x; Q6_K's zero of 32 and Q3_K's of 4 per 16 weights
-    in integers)."""
+    """Q2_K / Q3_K / Q4_K / Q5_K / Q6_K repacked into the int8 kernel's 3-D layout: dequantizing and
+    embedding give gguf's weights, and the matmul is the two-term int8 activations times the exact
+    weights (Q4_K's and Q5_K's minima times the exact block sums of x; Q6_K's zero of 32 and Q3_K's of 4
+    per 16 weights in integers; Q2_K's minima per 16 weights times the int8 terms' sums)."""
     w, dense = _random_k(qtype, 48, 512, seed=5)
     r = w.for_int8()
     assert r.x16 and r.data.dim() == 3 and r.out_features == 48
-    assert r.data.numel() <= {"Q3_K": 1.04, "Q4_K": 1.03, "Q5_K": 1.025, "Q6_K": 1.0}[qtype] * w.data.numel()
+    assert r.data.numel() <= {"Q2_K": 1.0, "Q3_K": 1.04, "Q4_K": 1.03, "Q5_K": 1.025, "Q6_K": 1.0}[qtype] * w.data.numel()
     torch.testing.assert_close(KERNELS.qdequant(r.data, 512, torch.float32), dense, rtol=1e-6, atol=1e-7)
     ids = torch.tensor([[3, 0], [47, 17]])
     torch.testing.assert_close(KERNELS.qembedding(r.data, ids, 512, torch.float32), dense[ids.view(-1)],
@@ -376,10 +378,11 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
 
 
 @pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy),
-                                   pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M", "Q3_K_M"])
+                                   pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M", "Q3_K_M", "Q2_K_M"])
 def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch, qtype):
     """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
-    llama.cpp mixes them in a Q4_K_M / Q5_K_M file, or Q3_K with Q4_K and Q6_K, at a model's shapes,
+    llama.cpp mixes them in a Q4_K_M / Q5_K_M file, or Q3_K with Q4_K and Q6_K, or Q2_K with Q3_K and
+    Q6_K, at a model's shapes,
     the demo tokenizer) load and generate, holding their matmul weights in about the file's bytes
     (K mixes: where int8 activations run), and K mixes give the
     logits of the same file dequantized."""

@@ -14,11 +14,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rope_", &rope_, "rotate-half RoPE in place on [T, heads, d] (fp32 or bf16)");
     m.def("write_kv", &write_kv, "write new K and V rows into the paged caches through the slot mapping");
     m.def("gemv", &gemv, "x W^T (+ b) for a few token rows, streaming a plain row-major weight (fp32 or bf16)");
-    m.def("qgemv", &qgemv, "x W^T (+ b) from a GGUF-quantized weight as stored (Q4_0, Q4_1, Q5_0, Q8_0; Q4_K, Q6_K in the x16 layout), any token count");
+    m.def("qgemv", &qgemv, "x W^T (+ b) from a GGUF-quantized weight as stored (Q4_0, Q4_1, Q5_0, Q8_0; K-quants Q2_K-Q6_K in the x16 layout), any token count");
     m.def("qdequant", &qdequant, "a GGUF-quantized weight (either layout) to a dense fp32 or bf16 tensor");
     m.def("qembedding", &qembedding, "rows of a GGUF-quantized table (an embedding lookup), widened");
     m.def("qrepack", &qrepack, "a GGUF-quantized weight in the x16 layout of the int8 (AVX512-VNNI) kernel");
-    m.def("krepack", &krepack, "a GGUF K-quant weight (Q4_K, Q6_K) in the 3-D x16 layout of the int8 kernel");
+    m.def("krepack", &krepack, "a GGUF K-quant weight (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in the 3-D x16 layout of the int8 kernel");
     m.def("quant_int8_native", &quant_int8_native, "whether the x16 layout runs on AVX512-VNNI here");
     m.def("int8_amx", &int8_amx, "whether steps of int8_amx_tokens() tokens or more run the x16 layout on AMX tiles here");
     m.def("set_int8_amx", &set_int8_amx, "AMX tiles for the x16 layout's large steps on or off (the same results either way)");

@@ -370,7 +370,8 @@ void repack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
 // changed 6% of its greedy tokens against the dequantized model; with the second the rounding is
 // max|x| / 64516 per block, below bf16's. Each term is its own dot product with the same codes.
 // qsum, qsum2: sums of q, q2 (the codes' offset); qsum_lo, qsum2_lo: the same over the block's
-// first 16 (Q6_K's scales are per 16 weights); sum: the exact sum of x (Q4_1's, Q4_K's minimum).
+// first 16 (Q6_K's, Q3_K's and Q2_K's scales are per 16 weights); sum: the exact sum of x (Q4_1's, Q4_K's
+// minimum).
 using QuantX = QuantActs;   // (kernels.h)
 
 // One block of 32 activations (r: its index in the QuantX arrays).
@@ -893,7 +894,7 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
     return out;
 }
 
-// ---- K-quants (Q3_K, Q4_K, Q5_K, Q6_K): super-blocks of 256 weights, in an x16 layout only -------
+// ---- K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): super-blocks of 256 weights, in an x16 layout only -
 // ggml's plain super-blocks (bytes per 256 weights):
 //   Q4_K (144): d, dmin (fp16); 12 bytes of 6-bit scales and minima of 8 sub-blocks of 32; 128 bytes
 //     of 4-bit codes, bytes 32p..32p+31 holding sub-block 2p (low nibbles) and 2p+1 (high nibbles);
@@ -905,6 +906,8 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //   Q3_K (110): 32 bytes of high bits (byte l, bit 4h + k: weight 128h + 32k + l), 64 bytes of low 2
 //     bits (byte 32h + l, bits 2k..2k+1: the same weight), 12 bytes of 16 6-bit scales s, d (fp16);
 //     weight = d * (s - 32) * (code - 4), code = low + 4 * high (0..7).
+//   Q2_K (84): 16 bytes of 4-bit scales (low nibble) and minima (high nibble) per 16 weights, 64 bytes
+//     of 2-bit codes (Q3_K's low bits), d and dmin (fp16); weight = d * scale * code - dmin * min.
 // The x16 layout is a 3-D tensor [N / 16, super-blocks, bytes] (its shape tells it from the 32-blocks'
 // layouts); per group of 16 rows and super-block, lane j being row j:
 //   Q4_K (2368 = 16 x 148): 16 d, 16 dmin (fp16); 8 x 16 scale bytes (sub-block-major); 8 x 16 min
@@ -921,29 +924,35 @@ torch::Tensor dequant_rows(const torch::Tensor& w, int64_t K, const int64_t* ids
 //     block of 32 weights 2 chunks of 64 bytes of low 2 bits as Q6_K's high 2 bits (chunk h, lane j,
 //     byte k, bits 2q..2q+1: weight 4(4h+q)+k), and a chunk of high bits (lane j, byte k, bit t:
 //     weight 4t+k).
-// Q4_K's layout is 1.03x the file's bytes, Q5_K's 1.02x, Q3_K's 1.04x.
+//   Q2_K (1344 = 16 x 84, the file's bytes): 16 d, 16 dmin (fp16); 16 x 16 bytes of scale | min << 4;
+//     then per block of 32 weights Q3_K's 2 chunks of low 2 bits.
+// Q4_K's layout is 1.03x the file's bytes, Q5_K's 1.02x, Q3_K's 1.04x, Q2_K's and Q6_K's 1x.
 // Only the int8 (two-term activation) arithmetic of the 32-blocks' x16 kernel runs them.
-enum KType { kQ3_K = 110, kQ4_K = 144, kQ5_K = 176, kQ6_K = 210 };   // bytes per plain super-block of 256
+enum KType { kQ2_K = 84, kQ3_K = 110, kQ4_K = 144, kQ5_K = 176, kQ6_K = 210 };   // bytes per plain super-block of 256
 constexpr int kSuper = 256;
 constexpr int64_t kx16_bytes(int KT) {
-    return KT == kQ4_K ? 2368 : KT == kQ5_K ? 2880 : KT == kQ6_K ? 3360 : 1824;
+    return KT == kQ4_K ? 2368 : KT == kQ5_K ? 2880 : KT == kQ6_K ? 3360 : KT == kQ3_K ? 1824 : 1344;
 }
+// Q3_K's and Q2_K's x16 layouts: where block blk's code chunks start.
+constexpr int64_t k2bit_block(int KT, int blk) { return KT == kQ3_K ? 288 + 192 * blk : 320 + 128 * blk; }
 constexpr int64_t kFifthBits = 2368;   // where Q5_K's fifth bits start in its x16 super-block
-// Q4_K and Q5_K: weight = d * scale * code - dmin * min; Q6_K and Q3_K: a zero code (32, 4) instead of
-// minima, int8 scales per 16 weights.
+// Q4_K and Q5_K: weight = d * scale * code - dmin * min, per 32 weights; Q6_K and Q3_K: a zero code
+// (32, 4) instead of minima, int8 scales per 16 weights; Q2_K: scales and minima per 16 weights (its
+// minima times the activations' int8 terms' sums: the exact weight times the two-term activations).
 constexpr bool has_min(int KT) { return KT == kQ4_K || KT == kQ5_K; }
-constexpr int kzero(int KT) { return KT == kQ6_K ? 32 : 4; }
+constexpr int kzero(int KT) { return KT == kQ6_K ? 32 : KT == kQ3_K ? 4 : 0; }
 
 template <typename F>
 inline void with_ktype(int kt, F&& f) {
     if (kt == kQ4_K) f(std::integral_constant<int, kQ4_K>{});
     else if (kt == kQ5_K) f(std::integral_constant<int, kQ5_K>{});
     else if (kt == kQ3_K) f(std::integral_constant<int, kQ3_K>{});
+    else if (kt == kQ2_K) f(std::integral_constant<int, kQ2_K>{});
     else f(std::integral_constant<int, kQ6_K>{});
 }
 
 int ktype_of_x16(int64_t bytes) {
-    for (int kt : {kQ3_K, kQ4_K, kQ5_K, kQ6_K})
+    for (int kt : {kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K})
         if (bytes == kx16_bytes(kt)) return kt;
     TORCH_CHECK(false, "unknown K-quant x16 layout (", bytes, " bytes per super-block)");
     return 0;
@@ -975,19 +984,41 @@ inline void q6k_codes(const uint8_t* b, uint8_t* codes) {
     }
 }
 
+// The 2-bit codes of Q2_K and Q3_K's low bits (64 bytes: byte 32h + l, bits 2k..2k+1 hold weight
+// 128h + 32k + l).
+inline void two_bit_codes(const uint8_t* qs, uint8_t* codes) {
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k)
+            for (int l = 0; l < 32; ++l) codes[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
+}
+
 // Q3_K's 256 codes (0..7: low 2 bits + 4 x high bit) and 16 scales (s - 32, int8).
 inline void q3k_codes(const uint8_t* b, uint8_t* codes, int8_t* scales) {
     const uint8_t* hm = b;
-    const uint8_t* qs = b + 32;
     const uint8_t* sc = b + 96;
     for (int i = 0; i < 16; ++i) {
         const int low = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4;
         scales[i] = (int8_t)((low | (((sc[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32);
     }
+    two_bit_codes(b + 32, codes);
     for (int h = 0; h < 2; ++h)
         for (int k = 0; k < 4; ++k)
-            for (int l = 0; l < 32; ++l)
-                codes[128 * h + 32 * k + l] = ((qs[32 * h + l] >> (2 * k)) & 3) | (((hm[l] >> (4 * h + k)) & 1) << 2);
+            for (int l = 0; l < 32; ++l) codes[128 * h + 32 * k + l] |= ((hm[l] >> (4 * h + k)) & 1) << 2;
+}
+
+// Row j's low 2 bits of a block's 32 codes (cb) into the x16 chunks at ob (Q6_K's high-2-bit
+// arrangement: chunk h, byte 4j + k, bits 2q..2q+1 hold weight 4(4h+q)+k), and back.
+inline void pack_two_bits(const uint8_t* cb, uint8_t* ob, int j) {
+    for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < 4; ++k) {
+            uint8_t v = 0;
+            for (int q = 0; q < 4; ++q) v |= (cb[4 * (4 * h + q) + k] & 3) << (2 * q);
+            ob[64 * h + 4 * j + k] = v;
+        }
+}
+inline void unpack_two_bits(const uint8_t* ob, int j, uint8_t* cb) {
+    for (int t = 0; t < 8; ++t)
+        for (int k = 0; k < 4; ++k) cb[4 * t + k] = (ob[64 * (t / 4) + 4 * j + k] >> (2 * (t % 4))) & 3;
 }
 
 template <int KT>
@@ -1016,19 +1047,21 @@ void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
                         std::memcpy(o + 2 * j, b + 108, 2);
                         for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = (uint8_t)scales[i];
                         for (int blk = 0; blk < 8; ++blk) {
-                            uint8_t* ob = o + 288 + 192 * blk;
+                            uint8_t* ob = o + k2bit_block(KT, blk);
                             const uint8_t* cb = codes + 32 * blk;
+                            pack_two_bits(cb, ob, j);
                             for (int k = 0; k < 4; ++k) {
-                                for (int h = 0; h < 2; ++h) {
-                                    uint8_t v = 0;
-                                    for (int q = 0; q < 4; ++q) v |= (cb[4 * (4 * h + q) + k] & 3) << (2 * q);
-                                    ob[64 * h + 4 * j + k] = v;
-                                }
                                 uint8_t hv = 0;
                                 for (int t = 0; t < 8; ++t) hv |= (cb[4 * t + k] >> 2) << t;
                                 ob[128 + 4 * j + k] = hv;
                             }
                         }
+                    } else if constexpr (KT == kQ2_K) {
+                        std::memcpy(o + 2 * j, b + 80, 2);
+                        std::memcpy(o + 32 + 2 * j, b + 82, 2);
+                        for (int i = 0; i < 16; ++i) o[64 + 16 * i + j] = b[i];
+                        two_bit_codes(b + 16, codes);
+                        for (int blk = 0; blk < 8; ++blk) pack_two_bits(codes + 32 * blk, o + k2bit_block(KT, blk), j);
                     } else {
                         std::memcpy(o + 2 * j, b + 208, 2);
                         for (int i = 0; i < 16; ++i) o[32 + 16 * i + j] = b[192 + i];
@@ -1053,7 +1086,7 @@ void krepack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t ns) {
 }
 
 // Row n's super-block s from the x16 layout: 256 codes, and per 16 weights a scale and a minimum
-// (weight = scale * code - minimum; Q6_K's minimum is 32 scales).
+// (weight = scale * code - minimum; Q6_K's minimum is 32 scales, Q3_K's 4, Q2_K's dmin * min).
 template <int KT>
 void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes, float* scale16, float* min16) {
     const uint8_t* o = w + ((n / kRows) * ns + s) * kx16_bytes(KT);
@@ -1076,6 +1109,13 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
                         codes[64 * p + 32 + 4 * t + i] |= ((fifth >> (2 * p + 1)) & 1) << 4;
                     }
                 }
+    } else if constexpr (KT == kQ2_K) {
+        const float d = half_at(o + 2 * j), dmin = half_at(o + 32 + 2 * j);
+        for (int i = 0; i < 16; ++i) {
+            scale16[i] = d * (float)(o[64 + 16 * i + j] & 0xF);
+            min16[i] = dmin * (float)(o[64 + 16 * i + j] >> 4);
+        }
+        for (int blk = 0; blk < 8; ++blk) unpack_two_bits(o + k2bit_block(KT, blk), j, codes + 32 * blk);
     } else {   // Q6_K, Q3_K: int8 scales per 16 weights and a zero code
         const float d = half_at(o + 2 * j);
         for (int i = 0; i < 16; ++i) {
@@ -1084,11 +1124,10 @@ void kx16_row(const uint8_t* w, int64_t ns, int64_t n, int64_t s, uint8_t* codes
         }
         if constexpr (KT == kQ3_K) {
             for (int blk = 0; blk < 8; ++blk) {
-                const uint8_t* ob = o + 288 + 192 * blk;
+                const uint8_t* ob = o + k2bit_block(KT, blk);
+                unpack_two_bits(ob, j, codes + 32 * blk);
                 for (int t = 0; t < 8; ++t)
-                    for (int k = 0; k < 4; ++k)
-                        codes[32 * blk + 4 * t + k] = ((ob[64 * (t / 4) + 4 * j + k] >> (2 * (t % 4))) & 3) |
-                                                      (((ob[128 + 4 * j + k] >> t) & 1) << 2);
+                    for (int k = 0; k < 4; ++k) codes[32 * blk + 4 * t + k] |= ((ob[128 + 4 * j + k] >> t) & 1) << 2;
             }
             return;
         }
@@ -1150,12 +1189,13 @@ void kx16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int6
                             dot += (int)codes[16 * h + i] * xq[i];
                             dot2 += (int)codes[16 * h + i] * xq2[i];
                         }
-                        if (!has_min(KT)) {
-                            const bool lo = h % 2 == 0;
-                            dot -= kzero(KT) * (lo ? X.qsum_lo[r] : X.qsum[r] - X.qsum_lo[r]);
-                            dot2 -= kzero(KT) * (lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r]);
-                        }
+                        const bool lo = h % 2 == 0;
+                        const int32_t qsum = lo ? X.qsum_lo[r] : X.qsum[r] - X.qsum_lo[r];
+                        const int32_t qsum2 = lo ? X.qsum2_lo[r] : X.qsum2[r] - X.qsum2_lo[r];
+                        dot -= kzero(KT) * qsum;
+                        dot2 -= kzero(KT) * qsum2;
                         s[m] += ((float)dot * X.d[r] + (float)dot2 * X.d2[r]) * scale16[h];
+                        if (KT == kQ2_K) s[m] -= min16[h] * ((float)qsum * X.d[r] + (float)qsum2 * X.d2[r]);
                         if (has_min(KT) && h % 2 == 0) s[m] -= min16[h] * X.sum[r];
                     }
             }
@@ -1225,17 +1265,18 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
         } else {
             const __m512i hmask = _mm512_set1_epi8(0x30);
             for (int blk = 0; blk < 8; ++blk) {
-                if constexpr (KT == kQ3_K) {
-                    const uint8_t* cp = o + 288 + 192 * blk;
+                if constexpr (KT == kQ3_K || KT == kQ2_K) {
+                    const uint8_t* cp = o + k2bit_block(KT, blk);
                     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-                    const __m512i hb = _mm512_loadu_si512(cp + 128);
-                    for (int h = 0; h < 2; ++h) {   // low 2 bits (as Q6_K's high 2), then bit t of hb to bit 2
+                    for (int h = 0; h < 2; ++h) {   // low 2 bits (as Q6_K's high 2), then Q3_K's bit t of hb to bit 2
                         const __m512i lb = _mm512_loadu_si512(cp + 64 * h);
                         codes[4 * h] = _mm512_and_si512(lb, three);
                         codes[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(lb, 2), three);
                         codes[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(lb, 4), three);
                         codes[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(lb, 6), three);
                     }
+                    if constexpr (KT == kQ3_K) {
+                    const __m512i hb = _mm512_loadu_si512(cp + 128);
                     codes[0] = _mm512_or_si512(codes[0], _mm512_and_si512(_mm512_slli_epi16(hb, 2), four));
                     codes[1] = _mm512_or_si512(codes[1], _mm512_and_si512(_mm512_slli_epi16(hb, 1), four));
                     codes[2] = _mm512_or_si512(codes[2], _mm512_and_si512(hb, four));
@@ -1244,6 +1285,7 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     codes[5] = _mm512_or_si512(codes[5], _mm512_and_si512(_mm512_srli_epi16(hb, 3), four));
                     codes[6] = _mm512_or_si512(codes[6], _mm512_and_si512(_mm512_srli_epi16(hb, 4), four));
                     codes[7] = _mm512_or_si512(codes[7], _mm512_and_si512(_mm512_srli_epi16(hb, 5), four));
+                    }
                 } else {
                 const uint8_t* cp = o + 288 + 384 * blk;
                 for (int c = 0; c < 4; ++c) {
@@ -1259,11 +1301,20 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     codes[4 * h + 3] = _mm512_or_si512(codes[4 * h + 3], _mm512_and_si512(_mm512_srli_epi32(hb, 2), hmask));
                 }
                 }
+                auto bytes16 = [&](int64_t at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at)); };
                 auto scale = [&](int i) {
-                    return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 + 16 * i)))));
+                    if constexpr (KT == kQ2_K)   // the low nibbles of scale | min << 4
+                        return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(
+                                                     _mm512_cvtepu8_epi32(bytes16(64 + 16 * i)), _mm512_set1_epi32(0xF))));
+                    return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(32 + 16 * i))));
+                };
+                auto minimum = [&](int i) {   // Q2_K's high nibbles, times dmin
+                    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32))),
+                                         _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes16(64 + 16 * i)), 4)));
                 };
                 const __m512 sa = scale(2 * blk), sb = scale(2 * blk + 1);
+                __m512 ma = _mm512_setzero_ps(), mb = ma;
+                if constexpr (KT == kQ2_K) ma = minimum(2 * blk), mb = minimum(2 * blk + 1);
                 const int64_t b = s * 8 + blk;
                 for (int m = 0; m < M; ++m) {
                     const int64_t r = (m0 + m) * nb + b;
@@ -1272,15 +1323,24 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     dot_halves(codes, X.q2.data() + (m0 + m) * K + b * kBlock, lo2, hi2);
                     // The codes' zero (32; Q3_K 4) times each half's activation sum.
                     constexpr int z = kzero(KT);
-                    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(z * X.qsum_lo[r]));
-                    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(z * (X.qsum[r] - X.qsum_lo[r])));
-                    lo2 = _mm512_sub_epi32(lo2, _mm512_set1_epi32(z * X.qsum2_lo[r]));
-                    hi2 = _mm512_sub_epi32(hi2, _mm512_set1_epi32(z * (X.qsum2[r] - X.qsum2_lo[r])));
+                    if constexpr (z != 0) {
+                        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(z * X.qsum_lo[r]));
+                        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(z * (X.qsum[r] - X.qsum_lo[r])));
+                        lo2 = _mm512_sub_epi32(lo2, _mm512_set1_epi32(z * X.qsum2_lo[r]));
+                        hi2 = _mm512_sub_epi32(hi2, _mm512_set1_epi32(z * (X.qsum2[r] - X.qsum2_lo[r])));
+                    }
                     const __m512 d = _mm512_set1_ps(X.d[r]), d2 = _mm512_set1_ps(X.d2[r]);
                     const __m512 va = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
                     const __m512 vb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi2), d2, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
                     acc[m] = _mm512_fmadd_ps(va, sa, acc[m]);
                     acc[m] = _mm512_fmadd_ps(vb, sb, acc[m]);
+                    if constexpr (KT == kQ2_K) {   // minimum x the half's activations (their two int8 terms)
+                        const float xa = (float)X.qsum_lo[r] * X.d[r] + (float)X.qsum2_lo[r] * X.d2[r];
+                        const float xb = (float)(X.qsum[r] - X.qsum_lo[r]) * X.d[r] +
+                                         (float)(X.qsum2[r] - X.qsum2_lo[r]) * X.d2[r];
+                        acc[m] = _mm512_fnmadd_ps(ma, _mm512_set1_ps(xa), acc[m]);
+                        acc[m] = _mm512_fnmadd_ps(mb, _mm512_set1_ps(xb), acc[m]);
+                    }
                 }
             }
         }
@@ -1423,11 +1483,11 @@ torch::Tensor qrepack(torch::Tensor w, int64_t K) {
     return out;
 }
 
-// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 110 Q3_K, 144 Q4_K, 176 Q5_K, 210 Q6_K; N a
-// multiple of 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
+// Plain K-quant super-blocks [N, super-blocks * bytes] (`bytes`: 84 Q2_K, 110 Q3_K, 144 Q4_K, 176 Q5_K, 210
+// Q6_K; N a multiple of 16) -> the x16 layout [N / 16, super-blocks, x16 bytes] of the int8 kernel.
 torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
-    TORCH_CHECK(bytes == kQ3_K || bytes == kQ4_K || bytes == kQ5_K || bytes == kQ6_K,
-                "K-quant super-block bytes: 110 (Q3_K), 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K), got ", bytes);
+    TORCH_CHECK(bytes == kQ2_K || bytes == kQ3_K || bytes == kQ4_K || bytes == kQ5_K || bytes == kQ6_K,
+                "K-quant super-block bytes: 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K) or 210 (Q6_K), got ", bytes);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "a plain [N, row bytes] weight");
     TORCH_CHECK(K > 0 && K % kSuper == 0 && w.size(1) == K / kSuper * bytes, "row bytes do not match K ", K);
     TORCH_CHECK(w.size(0) % kRows == 0, "x16 needs a multiple of 16 rows, got ", w.size(0));
