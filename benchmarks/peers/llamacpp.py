@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF file (default: the demo model)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--name", default=None, help="results name (default: llamacpp[_MODEL]); one per machine kind")
     ap.add_argument("--worker", nargs=2, metavar=("DTYPE", "QUANTIZATION"))
     args = ap.parse_args()
     if args.model is None:
@@ -109,7 +110,8 @@ def main() -> None:
             ", ".join(f"{n} {v:.1f} ({v / base:.2f}x)" for n, v in med.items() if n != "llama.cpp"))
     from conveyor.model.loader import demo_model_path
 
-    save("llamacpp" if Path(args.model) == demo_model_path() else f"llamacpp_{Path(args.model).stem}", result, line)
+    save(args.name or ("llamacpp" if Path(args.model) == demo_model_path() else f"llamacpp_{Path(args.model).stem}"),
+         result, line)
 
 
 if __name__ == "__main__":
