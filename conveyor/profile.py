@@ -62,6 +62,10 @@ class _Plans:
     def __init__(self, engine: Engine, seed: int = 0):
         self.block_size = engine.config.block_size
         self.num_blocks = engine.runner.kv.num_blocks
+        # A hybrid KV cache (layer groups, e.g. Gemma 3's local and global layers): a table holds one
+        # block per group for each block of tokens, interleaved, as the scheduler's KV manager builds it.
+        layout = engine.runner.layout
+        self.groups = layout.num_groups if layout is not None else 1
         self.vocab = engine.model_config.vocab_size
         self.rng = random.Random(seed)
         self.next_block = 0
@@ -70,10 +74,10 @@ class _Plans:
 
     @property
     def capacity(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.num_blocks // self.groups * self.block_size
 
     def seq(self, computed: int, num_tokens: int, sample: bool = True) -> ScheduledSeq:
-        blocks = -(-(computed + num_tokens) // self.block_size)
+        blocks = -(-(computed + num_tokens) // self.block_size) * self.groups
         table = [(self.next_block + i) % self.num_blocks for i in range(blocks)]
         self.next_block = (self.next_block + blocks) % self.num_blocks
         self.n += 1
@@ -105,7 +109,7 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
     """(kind, builder) of every step the sweep measures."""
     cap = min(engine.max_model_len, 2048)
     max_seqs = engine.config.scheduler.max_num_seqs
-    kv_tokens = engine.runner.kv.num_blocks * engine.config.block_size
+    kv_tokens = _Plans(engine).capacity   # tokens of distinct KV (per layer group)
     chunks = (32, 256) if quick else (16, 64, 256, 512)
     cached = (0, 512) if quick else (0, 256, 1024, 1536)
     candidates = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64, 128, max_seqs)

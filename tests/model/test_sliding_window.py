@@ -85,3 +85,17 @@ def test_prefix_hits_are_reported_per_layer_group(tiny_models):
     assert stats.kv_group_windows == (0, 8, 8)
     assert stats.prefix_cache_hits > 0
     assert all(h >= stats.prefix_cache_hits for h in stats.prefix_cache_group_hits)
+
+
+def test_profile_runs_on_a_hybrid_kv_cache(tiny_models):
+    """`conveyor profile`'s synthetic plans give each sequence one block per layer group and block of
+    tokens, interleaved as the KV manager builds tables (Gemma 3: local and global groups); before,
+    they gave one per block and the runner's slot mapping indexed past the table."""
+    from conveyor.profile import profile
+
+    family = tiny_models("gemma3")
+    with LLM(with_tokenizer(family.path), dtype="float32", cost_model="none", max_num_seqs=8) as llm:
+        layout = llm.engine.runner.layout
+        assert layout is not None and layout.num_groups > 1
+        model = profile(llm.engine, quick=True, repeats=1, progress=False)
+    assert model.knots and all(c > 0 for c in model.knot_costs)
