@@ -29,7 +29,6 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1264,42 +1264,37 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
             }
         } else {
             const __m512i hmask = _mm512_set1_epi8(0x30);
+            // Q2_K's dmin (its minima are dmin x the high nibbles of the scale bytes).
+            const __m512 mv = KT == kQ2_K ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32)))
+                                          : _mm512_setzero_ps();
             for (int blk = 0; blk < 8; ++blk) {
                 if constexpr (KT == kQ3_K || KT == kQ2_K) {
                     const uint8_t* cp = o + k2bit_block(KT, blk);
-                    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-                    for (int h = 0; h < 2; ++h) {   // low 2 bits (as Q6_K's high 2), then Q3_K's bit t of hb to bit 2
+                    const __m512i three = _mm512_set1_epi8(3);
+                    for (int h = 0; h < 2; ++h) {   // the low 2 bits (as Q6_K's high 2)
                         const __m512i lb = _mm512_loadu_si512(cp + 64 * h);
-                        codes[4 * h] = _mm512_and_si512(lb, three);
-                        codes[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(lb, 2), three);
-                        codes[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16(lb, 4), three);
-                        codes[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16(lb, 6), three);
+                        for (int q = 0; q < 4; ++q) codes[4 * h + q] = _mm512_and_si512(_mm512_srli_epi16(lb, 2 * q), three);
                     }
-                    if constexpr (KT == kQ3_K) {
-                    const __m512i hb = _mm512_loadu_si512(cp + 128);
-                    codes[0] = _mm512_or_si512(codes[0], _mm512_and_si512(_mm512_slli_epi16(hb, 2), four));
-                    codes[1] = _mm512_or_si512(codes[1], _mm512_and_si512(_mm512_slli_epi16(hb, 1), four));
-                    codes[2] = _mm512_or_si512(codes[2], _mm512_and_si512(hb, four));
-                    codes[3] = _mm512_or_si512(codes[3], _mm512_and_si512(_mm512_srli_epi16(hb, 1), four));
-                    codes[4] = _mm512_or_si512(codes[4], _mm512_and_si512(_mm512_srli_epi16(hb, 2), four));
-                    codes[5] = _mm512_or_si512(codes[5], _mm512_and_si512(_mm512_srli_epi16(hb, 3), four));
-                    codes[6] = _mm512_or_si512(codes[6], _mm512_and_si512(_mm512_srli_epi16(hb, 4), four));
-                    codes[7] = _mm512_or_si512(codes[7], _mm512_and_si512(_mm512_srli_epi16(hb, 5), four));
+                    if constexpr (KT == kQ3_K) {   // bit t of the high-bit chunk's bytes to bit 2 of vector t
+                        const __m512i hb = _mm512_loadu_si512(cp + 128), four = _mm512_set1_epi8(4);
+                        for (int t = 0; t < 8; ++t)
+                            codes[t] = _mm512_mask_add_epi8(codes[t], _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << t))),
+                                                            codes[t], four);
                     }
                 } else {
-                const uint8_t* cp = o + 288 + 384 * blk;
-                for (int c = 0; c < 4; ++c) {
-                    const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
-                    codes[c] = _mm512_and_si512(raw, nib);
-                    codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-                }
-                for (int h = 0; h < 2; ++h) {   // the high 2 bits to bits 4-5 of each byte
-                    const __m512i hb = _mm512_loadu_si512(cp + 256 + 64 * h);
-                    codes[4 * h] = _mm512_or_si512(codes[4 * h], _mm512_and_si512(_mm512_slli_epi32(hb, 4), hmask));
-                    codes[4 * h + 1] = _mm512_or_si512(codes[4 * h + 1], _mm512_and_si512(_mm512_slli_epi32(hb, 2), hmask));
-                    codes[4 * h + 2] = _mm512_or_si512(codes[4 * h + 2], _mm512_and_si512(hb, hmask));
-                    codes[4 * h + 3] = _mm512_or_si512(codes[4 * h + 3], _mm512_and_si512(_mm512_srli_epi32(hb, 2), hmask));
-                }
+                    const uint8_t* cp = o + 288 + 384 * blk;
+                    for (int c = 0; c < 4; ++c) {
+                        const __m512i raw = _mm512_loadu_si512(cp + 64 * c);
+                        codes[c] = _mm512_and_si512(raw, nib);
+                        codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                    }
+                    for (int h = 0; h < 2; ++h) {   // the high 2 bits to bits 4-5 of each byte
+                        const __m512i hb = _mm512_loadu_si512(cp + 256 + 64 * h);
+                        codes[4 * h] = _mm512_or_si512(codes[4 * h], _mm512_and_si512(_mm512_slli_epi32(hb, 4), hmask));
+                        codes[4 * h + 1] = _mm512_or_si512(codes[4 * h + 1], _mm512_and_si512(_mm512_slli_epi32(hb, 2), hmask));
+                        codes[4 * h + 2] = _mm512_or_si512(codes[4 * h + 2], _mm512_and_si512(hb, hmask));
+                        codes[4 * h + 3] = _mm512_or_si512(codes[4 * h + 3], _mm512_and_si512(_mm512_srli_epi32(hb, 2), hmask));
+                    }
                 }
                 auto bytes16 = [&](int64_t at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(o + at)); };
                 auto scale = [&](int i) {
@@ -1309,8 +1304,7 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
                     return _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(32 + 16 * i))));
                 };
                 auto minimum = [&](int i) {   // Q2_K's high nibbles, times dmin
-                    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32))),
-                                         _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes16(64 + 16 * i)), 4)));
+                    return _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes16(64 + 16 * i)), 4)));
                 };
                 const __m512 sa = scale(2 * blk), sb = scale(2 * blk + 1);
                 __m512 ma = _mm512_setzero_ps(), mb = ma;
