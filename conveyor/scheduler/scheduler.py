@@ -447,8 +447,11 @@ class Scheduler:
     def _unpin_swapped(self) -> None:
         """Nothing runs, yet the queue's head cannot come in: device blocks pinned by swapped
         requests (shared blocks whose other holders finished) are in its way. Those requests
-        drop their KV and will be recomputed (rare; without it the engine would stall)."""
-        for req in [r for r in self.swapped if self.kv.num_pinned(r.request_id)]:
+        drop their KV and will be recomputed (rare; without it the engine would stall). One swapped
+        out in this very step keeps its KV until the next step: the plan's swap-out copies and
+        swapped_out_ids name it, and its host blocks must hold them (a running request that gave
+        way to itself leaves nothing running, and is dropped here one step later if still stuck)."""
+        for req in [r for r in self.swapped if self.kv.num_pinned(r.request_id) and r.preempted_step != self.step]:
             self.swapped.remove(req)
             self.kv.free(req)
             self._unsend(req)

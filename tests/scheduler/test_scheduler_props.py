@@ -531,6 +531,25 @@ def test_every_policy_combination_finishes(mode, admission, caching, policy):
     assert sim.sched.stats.num_finished == 12
 
 
+def test_a_request_that_gives_way_to_itself_keeps_its_swap_out():
+    """Found by Hypothesis. Two n > 1 siblings share their leader's prompt blocks (hybrid KV: one global,
+    two local groups); one is swapped out, so the shared blocks stay pinned on the device. The other,
+    alone and short of memory, swaps itself out: nothing runs. Dropping pinned swapped requests then
+    must spare the one whose swap-out copies this very plan carries (it used to free its host blocks
+    under the plan: swapped_out_ids named a request that was WAITING again); it is dropped later if
+    still stuck."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2, long_prefill_token_threshold=0,
+                          preemption_mode="swap", victim_policy="cost", admission_policy="optimistic",
+                          min_resident_steps=0, swap_cost_per_block=1e-4)
+    r0 = make_request("r0", [1] * 6, 1)
+    arrivals = [Arrival(0, r0), Arrival(0, make_request("r1", [1] * 6, 4, leader=r0)),
+                Arrival(0, make_request("r2", [1] * 6, 2, leader=r0))]
+    sim = drive(cfg, 24, 1, 16, True, arrivals, windows=(0, 6, 6))   # checks every plan against the state
+    gave_way = [e for e in sim.log if e.swapped_out and not e.scheduled]
+    assert gave_way and sim.sched.stats.num_swaps_dropped >= 1
+    assert sim.sched.stats.num_finished == 3
+
+
 def test_abort_in_every_state_frees_everything():
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, preemption_mode="swap",
                           admission_policy="optimistic", min_resident_steps=0)
