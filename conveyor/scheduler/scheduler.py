@@ -420,6 +420,8 @@ class Scheduler:
         choice = victim_cost(self.config.preemption_mode, victim, self.kv, self.costs)
         if victim.resumed_step == self.step and victim.swapped_in_step == self.step:
             choice.mode = "recompute"   # its swap-in copy is still pending: its blocks hold nothing yet
+        if not self.kv.num_held(victim.request_id):
+            choice.mode = "recompute"   # no KV to copy (static batching admits before its first chunk's blocks)
         if choice.mode == "swap":   # the runner keeps its state; the table is sent anew on swap-in
             if victim.request_id in self._sent_blocks:
                 self._sent_blocks[victim.request_id] = _RESEND_TABLE

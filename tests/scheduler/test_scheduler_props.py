@@ -550,6 +550,22 @@ def test_a_request_that_gives_way_to_itself_keeps_its_swap_out():
     assert sim.sched.stats.num_finished == 3
 
 
+def test_a_running_request_without_blocks_gives_way_by_recompute():
+    """Found by Hypothesis. Static batching admits a batch before its first chunks' blocks exist;
+    with a sliding window the admission check counts a window's blocks while a prompt's chunk needs
+    a block per token during its step, so a member can fail to grow and give way to itself holding
+    no KV. Swap mode used to swap it out (no table: KeyError, the engine died); it is recomputed."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, long_prefill_token_threshold=0,
+                          preemption_mode="swap", admission_policy="optimistic", scheduling_policy="static",
+                          min_resident_steps=0)
+    r0 = make_request("r0", [1] * 8, 1)
+    arrivals = [Arrival(0, r0), Arrival(0, make_request("r1", [1] * 8, 1, leader=r0)),
+                Arrival(0, make_request("r2", [1], 1))]
+    sim = drive(cfg, 8, 1, 0, False, arrivals, windows=(5,))   # checks every plan against the state
+    assert sim.sched.stats.num_finished == 3 and sim.sched.stats.num_errors == 0
+    assert sim.sched.stats.num_recomputes >= 1 and sim.sched.stats.num_swaps_out == 0
+
+
 def test_abort_in_every_state_frees_everything():
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, preemption_mode="swap",
                           admission_policy="optimistic", min_resident_steps=0)
