@@ -35,6 +35,13 @@ class WaitQueue:
         self._live -= request.status == RequestStatus.WAITING
         return request
 
+    def remove(self, request: Request) -> None:
+        """Take a queued request out now, wherever it stands (O(queue); for the rare paths that
+        resume a request other than the head)."""
+        self._heap = [e for e in self._heap if e[2] is not request]
+        heapq.heapify(self._heap)
+        self._live -= request.status == RequestStatus.WAITING
+
     def discard(self, request: Request) -> None:
         """Account for a waiting request that left (aborted); its heap entry is dropped lazily."""
         self._live -= 1

@@ -173,7 +173,11 @@ class Scheduler:
         try:
             if self.config.scheduling_policy == "static":
                 self._admit_static_batch()
+                if not self.running and self.swapped:
+                    self._return_swapped_members(out, budget)
                 self._schedule_running(out, budget, list(self.running), scheduled)
+                if not self.running and self.swapped and not out.scheduled:
+                    self._unpin_swapped()
             else:
                 decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
                 budget = self._schedule_running(out, budget, decodes, scheduled)
@@ -369,6 +373,21 @@ class Scheduler:
                 break
             free -= need
             self.waiting.pop()
+            self._resume(req)
+
+    def _return_swapped_members(self, out: SchedulerOutput, budget: int) -> None:
+        """Static batching: no member of the batch runs, but some were swapped out (a member short
+        of memory took their room). They come back, in rank order as memory and slots allow,
+        before a new batch may start (which waits for them: without this they never would)."""
+        for req in sorted(self.swapped, key=victim_key):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.preempted_step == self.step or self._entry_blocks(req, NO_PREFIX, budget)[1] > self.kv.num_free_blocks:
+                continue
+            self.waiting.remove(req)
+            out.swap_in.extend(self.kv.swap_in(req))
+            self.swapped.remove(req)
+            self.stats.num_swaps_in += 1
             self._resume(req)
 
     def _preempt_for_priority(self, head: Request, out: SchedulerOutput, budget: int,
