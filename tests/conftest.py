@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _scale_examples(item, scale: float) -> None:
     """A long search for the rare schedules that CI's default example counts miss (the scheduler's
-    property tests found two such bugs at 10-30x). Hypothesis keeps a test's settings on the test
+    property tests found two such bugs at 12-170x). Hypothesis keeps a test's settings on the test
     function (@given tests) or on a state machine's TestCase class."""
     from hypothesis import settings
 
