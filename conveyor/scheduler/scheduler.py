@@ -176,14 +176,12 @@ class Scheduler:
                 if not self.running and self.swapped:
                     self._return_swapped_members(out, budget)
                 self._schedule_running(out, budget, list(self.running), scheduled)
-                if not self.running and self.swapped and not out.scheduled:
-                    self._unpin_swapped()
             else:
                 decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
                 budget = self._schedule_running(out, budget, decodes, scheduled)
                 self._schedule_by_rank(out, budget, scheduled)
-                if not self.running and self.swapped and not out.scheduled:
-                    self._unpin_swapped()
+            if not self.running and self.swapped and not out.scheduled:
+                self._unpin_swapped()
         finally:
             self.kv.end_step()   # the plan is built: host blocks its swap-ins read may serve the next one
         if out.scheduled:   # (only such a plan reaches the executor's execute())
@@ -269,9 +267,7 @@ class Scheduler:
             return 0
         self.waiting.pop()
         if swapped:
-            out.swap_in.extend(self.kv.swap_in(req))
-            self.swapped.remove(req)
-            self.stats.num_swaps_in += 1
+            self._swap_in(req, out)
         else:
             req.num_computed_tokens = cached.num_blocks * self.kv.block_size
             if req.metrics.first_scheduled_time is None:
@@ -385,10 +381,14 @@ class Scheduler:
             if req.preempted_step == self.step or self._entry_blocks(req, NO_PREFIX, budget)[1] > self.kv.num_free_blocks:
                 continue
             self.waiting.remove(req)
-            out.swap_in.extend(self.kv.swap_in(req))
-            self.swapped.remove(req)
-            self.stats.num_swaps_in += 1
+            self._swap_in(req, out)
             self._resume(req)
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
+        """A swapped request's KV copied back into device blocks by this step's plan."""
+        out.swap_in.extend(self.kv.swap_in(req))
+        self.swapped.remove(req)
+        self.stats.num_swaps_in += 1
 
     def _preempt_for_priority(self, head: Request, out: SchedulerOutput, budget: int,
                               scheduled: dict[str, ScheduledSeq]) -> tuple[bool, int]:
