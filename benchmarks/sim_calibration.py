@@ -15,8 +15,15 @@ corrected one, each at light load (30% of the simulated saturation) and near it 
 - long prompts (600-1500 tokens, chunked under the 1024-token budget);
 - and forced preemption (a 40-block KV cache, optimistic admission, overloaded at 150%).
 
+A third model, "checked", is the corrected one scaled by a speed check just before each run
+(``conveyor profile --recheck``: the profile's probe steps timed again, against their time at the
+calibration): how much of the error is this shared machine's drift from one run to the next.
+
+Near saturation (80%) the short-prompt families run a second time on the real engine: the difference
+between two real runs of one workload is the floor under the simulator's error at this sample size.
+
 Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
-error), preemptions, and the step-cost error of the run's own trace under both models. Writes JSON
+error), preemptions, and the step-cost error of the run's own trace under the three models. Writes JSON
 and a line in docs/benchmarks.md.
 
     python benchmarks/sim_calibration.py [--requests 60]
@@ -33,7 +40,7 @@ from common import save
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
 from conveyor.paths import profile_path
-from conveyor.profile import profile
+from conveyor.profile import profile, speed_check
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import run_on_engine
 from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, simulate
@@ -73,6 +80,7 @@ def main() -> None:
     saturation = saturation_rate(WorkloadSpec(**base, seed=100).generate(), cost, **engine_knobs(engine))
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
+    speed_cal = speed_check(engine, cost)["factor"] or 1.0   # the machine's speed when the calibration ran
     t = time.perf_counter()
     corrected, fit_report = sustained_calibration(engine, cost, requests=n)
     wall = time.perf_counter() - t
@@ -96,29 +104,41 @@ def main() -> None:
     for seed, (name, eng, knobs) in enumerate(runs, start=21):
         spec = WorkloadSpec(**{**base, **knobs, "seed": seed})
         preempted = eng.stats().num_preemptions
+        speed = speed_check(eng, cost)["factor"] or 1.0   # just before the run, against the profile's
+        checked = corrected.scaled(speed / speed_cal)
         real, trace, wall = real_run(eng, spec)
-        row = {"family": name, "rate": spec.rate, "wall_s": wall,
+        row = {"family": name, "rate": spec.rate, "wall_s": wall, "speed_factor": speed,
                "real": {**{m: real.metric(m) for m in METRICS}, "preemptions": eng.stats().num_preemptions - preempted},
                "profile": errors(eng, spec, real, cost), "corrected": errors(eng, spec, real, corrected),
-               "step_error_profile": validate(trace, cost)["all"], "step_error_corrected": validate(trace, corrected)["all"]}
+               "checked": errors(eng, spec, real, checked),
+               "step_error_profile": validate(trace, cost)["all"], "step_error_corrected": validate(trace, corrected)["all"],
+               "step_error_checked": validate(trace, checked)["all"]}
+        if 0.5 < knots["rate"] / saturation < 1 and "long" not in name:
+            # The same workload on the real engine again: how far one run's percentiles are from the
+            # next one's (the floor under any simulator's error at this sample size).
+            again, _, _ = real_run(eng, spec)
+            row["real_repeat"] = {m: again.metric(m) / real.metric(m) - 1 for m in METRICS}
         rows.append(row)
-        print(name, {k: {m: round(v, 3) for m, v in row[k].items()} for k in ("profile", "corrected")},
-              "step error", round(row["step_error_profile"]["error"], 3), "->", round(row["step_error_corrected"]["error"], 3),
-              flush=True)
+        print(name, f"speed {speed:.3f}", {k: {m: round(v, 3) for m, v in row[k].items()}
+                                            for k in ("profile", "corrected", "checked")},
+              "step error", *(round(row[f"step_error_{k}"]["error"], 3) for k in ("profile", "corrected", "checked")),
+              "real again", {m: round(v, 3) for m, v in row.get("real_repeat", {}).items()}, flush=True)
 
     def pct(x: float) -> str:
         return f"{100 * x:+.0f}%"
 
-    line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])}, "
-                     f"TPOT p50 {pct(r['profile']['tpot_p50'])} -> {pct(r['corrected']['tpot_p50'])}" for r in rows)
+    line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])} "
+                     f"-> {pct(r['checked']['ttft_p50'])}, TPOT p50 {pct(r['profile']['tpot_p50'])} -> "
+                     f"{pct(r['corrected']['tpot_p50'])} -> {pct(r['checked']['tpot_p50'])}" for r in rows)
     save("sim_calibration", {"cost_model": str(path), "saturation_req_s": saturation, "workload": base,
-                             "calibration": fit_report,
+                             "calibration": fit_report, "speed_factor_at_calibration": speed_cal,
                              "correction": {"meta": corrected.meta["calibration"],
                                             "knots": corrected.knots, "decode_scales": corrected.decode_scales,
                                             "prefill_scales": corrected.prefill_scales,
                                             "between_steps_s": corrected.between_steps},
                              "families": rows},
-         "simulator error, profile -> profile + trace correction (fitted on a uniform run at 70%): " + line)
+         "simulator error, profile -> profile + trace correction (fitted on a uniform run at 70%) -> the "
+         "correction scaled by a speed check before each run: " + line)
 
 
 if __name__ == "__main__":

@@ -62,12 +62,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from conveyor.paths import profile_path
     from conveyor.profile import profile
 
+    if args.rescale and not args.recheck:
+        raise ValueError("--rescale goes with --recheck")
     # The calibration step (meant for an idle machine) also measures the kernel-path probes afresh
     # and remembers them for every later start (conveyor/model/probe_cache.py).
     os.environ.setdefault("CONVEYOR_PROBES", "fresh")
     engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
-    model = profile(engine, quick=args.quick, repeats=args.repeats)
     out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype)
+    if args.recheck:
+        return _recheck(engine, out, args.rescale)
+    model = profile(engine, quick=args.quick, repeats=args.repeats, passes=args.passes)
     model.save(out)   # before the sustained run: if that fails, the profile is kept
     fit = model.meta["fit"]
     print(f"{fit['samples']} step shapes fitted within {100 * fit['mean_abs_rel_error']:.1f}% on average "
@@ -88,6 +92,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recheck(engine, path: Path, rescale: bool) -> int:
+    """`conveyor profile --recheck [--rescale]`: the saved profile's probe steps timed again."""
+    from conveyor.profile import recheck_profile
+
+    check = recheck_profile(engine, path, rescale)
+    for name, ratio in check["ratios"].items():
+        print(f"{name:>16}: {1e3 * check['then_s'][name]:8.2f} ms when profiled, {1e3 * check['now_s'][name]:8.2f} ms now "
+              f"({ratio:.2f}x)")
+    print(f"this machine runs the profile's steps {check['factor']:.2f}x as long as when it was profiled "
+          f"({check['profiled']})")
+    if rescale:
+        print(f"rescaled by {check['factor']:.2f} and saved {path}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -103,12 +122,19 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF model directory or .gguf file (default: the demo model)")
     p.add_argument("--out", help="where to save the JSON (default: the profile cache, found by simulate and the engine)")
     p.add_argument("--quick", action="store_true", help="fewer shapes (seconds instead of a minute)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per shape (the median counts)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per shape at least (short steps run for 0.1 s; the median counts)")
+    p.add_argument("--passes", type=_positive_int, default=None,
+                   help="sweeps over all shapes, each shape's median over them counts (default 3, 1 with --quick)")
     p.add_argument("--sustained", action="store_true",
                    help="then a sustained run of mixed traffic (at 70%% of the predicted saturation) and a "
                         "correction fitted on its step trace (see conveyor simulate --validate)")
     p.add_argument("--sustained-requests", type=_positive_int, default=60, metavar="N",
                    help="requests in the sustained run (default 60)")
+    p.add_argument("--recheck", action="store_true",
+                   help="instead of profiling: time the saved profile's probe steps again (seconds) and say how much "
+                        "slower or faster this machine runs now than when it was profiled")
+    p.add_argument("--rescale", action="store_true", help="with --recheck: save the profile scaled by that factor")
     add_engine_args(p, skip=("cost_model", "step_trace"))
     p.set_defaults(func=cmd_profile)
 

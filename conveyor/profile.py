@@ -3,8 +3,9 @@
 Sweeps steps of chosen shapes through the engine's own ModelRunner (the executor the engine
 uses): prefill chunks of several sizes after several cached-context lengths, decode batches of
 1..max_num_seqs sequences at several context lengths, mixed steps (a chunk beside decodes), and
-swap copies of N blocks. Each shape runs once to warm up, then ``repeats`` times; the median
-counts. The engine's own per-step work outside the executor (scheduling, updating requests,
+swap copies of N blocks. Each shape runs once to warm up, then ``repeats`` times or more (0.1 s),
+in several sweeps; the median counts. The decode steps after a prefill chunk are measured apart (they
+read weights the chunk evicted from the caches). The engine's own per-step work outside the executor (scheduling, updating requests,
 detokenizing) is measured on a short real run and added. The StepCostModel of cost.py (a
 piecewise-linear cost over the step's token count, plus costs per KV token read, per prefill
 query-key pair and per sampled sequence) is then fitted by least squares on relative error,
@@ -59,7 +60,7 @@ class _Plans:
     Every sequence is new to the runner (so a plan can be executed again and again), and each
     plan tells the runner to forget the previous plan's."""
 
-    def __init__(self, engine: Engine, seed: int = 0):
+    def __init__(self, engine: Engine, seed: int = 0, prefix: str = "p"):
         self.block_size = engine.config.block_size
         self.num_blocks = engine.runner.kv.num_blocks
         # A hybrid KV cache (layer groups, e.g. Gemma 3's local and global layers): a table holds one
@@ -70,6 +71,7 @@ class _Plans:
         self.rng = random.Random(seed)
         self.next_block = 0
         self.n = 0
+        self.prefix = prefix
         self.previous: list[str] = []
 
     @property
@@ -82,7 +84,7 @@ class _Plans:
         self.next_block = (self.next_block + blocks) % self.num_blocks
         self.n += 1
         tokens = [self.rng.randrange(self.vocab) for _ in range(num_tokens)]
-        return ScheduledSeq(f"p{self.n}", tokens, computed, table, NewRequestData(GREEDY, 0, 0), sample=sample)
+        return ScheduledSeq(f"{self.prefix}{self.n}", tokens, computed, table, NewRequestData(GREEDY, 0, 0), sample=sample)
 
     def plan(self, seqs: list[ScheduledSeq]) -> SchedulerOutput:
         out = SchedulerOutput(0, seqs, forget_ids=self.previous)
@@ -95,10 +97,18 @@ class _Plans:
         return out
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
+MIN_SECONDS = 0.1   # a shape is timed at least this long (short steps more than `repeats` times)
+MAX_REPEATS = 40
+
+
+def _time(fn: Callable[[], object], repeats: int, min_seconds: float = 0.0) -> float:
+    """Median seconds of `fn` over `repeats` runs after a warm-up, or more runs (up to MAX_REPEATS)
+    until `min_seconds` have passed: a 4 ms decode step timed 3 times varied by 20-30% from one
+    measurement to the next on a shared 2-vCPU machine."""
     fn()   # warm-up: kernels built, allocator primed
     times = []
-    for _ in range(repeats):
+    start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start < min_seconds and len(times) < MAX_REPEATS):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -112,7 +122,9 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
     kv_tokens = _Plans(engine).capacity   # tokens of distinct KV (per layer group)
     chunks = (32, 256) if quick else (16, 64, 256, 512)
     cached = (0, 512) if quick else (0, 256, 1024, 1536)
-    candidates = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64, 128, max_seqs)
+    # Every count up to 8: the quantized kernels' passes take 1-8 tokens each with its own code
+    # (1.2-1.5 ms more per token from 2 to 8 on the demo model; between knots 4 and 8 a line was 5% off).
+    candidates = (1, 8, 32) if quick else (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, max_seqs)
     # Knots on both sides of every kernel switch (e.g. GEMV up to 8 tokens, oneDNN from 9).
     switches = [t for k, n in dispatch_thresholds(engine).items() if k.endswith("_tokens") for t in (n, n + 1)]
     batches = sorted({b for b in (*candidates, *switches) if 1 <= b <= max_seqs})
@@ -136,6 +148,34 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
         k = budget // chunk
         out.append(("prefills", lambda p, k=k, chunk=chunk: [p.seq(0, chunk) for _ in range(k)]))
     return out
+
+
+AFTER_PREFILL_TOKENS = (16, 64, 256)
+AFTER_PREFILL_STEPS = 16
+
+
+def measure_after_prefill(engine: Engine, plans: _Plans, prefill_tokens: int, repeats: int = 6,
+                          steps: int = AFTER_PREFILL_STEPS) -> list[float] | None:
+    """Extra seconds of each of the first `steps` decode steps (one sequence, 128 tokens of context)
+    after a prefill chunk of `prefill_tokens`, against the same step warm (the median of the 8 steps
+    after those); from the first step within 3% of warm on, 0 (noise). None where it does not fit."""
+    if prefill_tokens > min(engine.max_model_len, plans.capacity - 129):
+        return None
+    runner = engine.runner
+    chunk, decode = [plans.seq(0, prefill_tokens)], [plans.seq(128, 1)]
+    times: list[list[float]] = [[] for _ in range(steps + 8)]
+    runner.execute(plans.plan(chunk))   # warm-up
+    for _ in range(repeats):
+        runner.execute(plans.plan(chunk))
+        for k in range(steps + 8):
+            plan = plans.plan(decode)
+            t = time.perf_counter()
+            runner.execute(plan)
+            times[k].append(time.perf_counter() - t)
+    warm = statistics.median(x for k in range(steps, steps + 8) for x in times[k])
+    extra = [max(0.0, statistics.median(times[k]) - warm) for k in range(steps)]
+    settled = next((k for k, e in enumerate(extra) if e <= 0.03 * warm), steps)
+    return extra[:settled] + [0.0] * (steps - settled)
 
 
 def dispatch_thresholds(engine: Engine) -> dict[str, int]:
@@ -178,6 +218,81 @@ def measure_engine_overhead(engine: Engine, batch: int, steps: int = 12) -> floa
     return statistics.median(overheads[2:])
 
 
+# A speed check: a few of the profile's own step shapes (kind, tokens, context), timed again later and
+# compared with their times when the profile was taken (``meta.probe``). A shared machine's speed
+# drifts by ~10% from one minute to the next (docs/simulator.md), and a capacity plan or a validation
+# priced at the profile's speed carries that error, amplified by the queue near saturation.
+WARM_UP_SECONDS = 1.0
+PROBE = (("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128), ("prefill", 256, 0))
+
+
+def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each ``PROBE`` step that fits this engine's batch and KV cache, by label
+    (``decode 8@128``: 8 sequences at 128 tokens of context; ``prefill 256@0``: a 256-token chunk).
+    For an idle engine: like the profile, the probe writes KV into any block, so it also forgets the
+    prefix cache."""
+    plans = _Plans(engine, seed=1, prefix="probe-")
+    runner = engine.runner
+    built = {}
+    for kind, n, ctx in PROBE:
+        if kind == "decode":
+            if n > engine.config.scheduler.max_num_seqs or n * (ctx + 1) > plans.capacity:
+                continue
+            seqs = [plans.seq(ctx, 1) for _ in range(n)]
+        else:
+            if ctx + n > min(engine.max_model_len, plans.capacity):
+                continue
+            seqs = [plans.seq(ctx, n)]
+        built[f"{kind} {n}@{ctx}"] = seqs
+    # Warm up first: in a fresh process the first 0.1-0.3 s of steps ran up to 1.5x slower (batch 1
+    # decoding 5.3 instead of 3.5 ms), more than one warm-up step absorbs.
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_UP_SECONDS:
+        for seqs in built.values():
+            runner.execute(plans.plan(seqs))
+    out = {}
+    for name, seqs in built.items():
+        plan = plans.plan(seqs)
+        out[name] = _time(lambda: runner.execute(plan), repeats, MIN_SECONDS)
+    engine.core.scheduler.kv.reset_prefix_cache()
+    return out
+
+
+def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
+    """How much slower (> 1) or faster this machine runs the profile's probe steps now than when
+    `cost` was profiled: per probe and their median (``factor``, what ``StepCostModel.scaled`` takes).
+    A profile saved before probes were recorded has none: ``factor`` is then None."""
+    then = cost.meta.get("probe") or {}
+    now = probe_times(engine, repeats)
+    ratios = {k: now[k] / then[k] for k in now if then.get(k)}
+    return {"now_s": now, "then_s": then, "ratios": ratios,
+            "factor": statistics.median(ratios.values()) if ratios else None}
+
+
+def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
+    """``conveyor profile --recheck [--rescale]``: the speed check of the profile saved at `path`; with
+    `rescale`, the profile saved again scaled by its factor, with the probe times of now (the next
+    check compares with them) and the check's date and factor in ``meta.speed_checks``."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no profile at {path}: run `conveyor profile` first")
+    cost = StepCostModel.load(path)
+    check = speed_check(engine, cost)
+    if check["factor"] is None:
+        raise ValueError(f"{path} has no probe times to compare with (saved before speed checks, or measured "
+                         "on a smaller engine): run `conveyor profile` again")
+    check["profiled"] = cost.meta.get("date", "date unknown")
+    if rescale:
+        scaled = cost.scaled(check["factor"])
+        scaled.meta["probe"] = check["now_s"]
+        scaled.meta["speed_checks"] = [*cost.meta.get("speed_checks", []), {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "factor": check["factor"]}]
+        scaled.save(path)
+    return check
+
+
 EXTRA = ("decode_context", "prefill_attention", "sampled")
 
 
@@ -208,25 +323,46 @@ def fit(samples: list[Sample]) -> tuple[StepCostModel, dict]:
     return model, quality
 
 
-def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, progress: bool = True) -> StepCostModel:
+def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: int | None = None,
+            progress: bool = True) -> StepCostModel:
+    """Measure and fit. Every shape is timed in each of `passes` sweeps (default 3, 1 with `quick`;
+    odd sweeps in reverse order) and its median over the sweeps counts: a shared machine's speed
+    drifts within a minute, and one sweep put a shape's cost wherever the machine was at that moment
+    (two profiles taken minutes apart differed by up to 15% on a knot, batch 1 decoding slower than
+    batch 2)."""
     plans = _Plans(engine)
     runner = engine.runner
     shapes = step_shapes(engine, quick)
-    samples: list[Sample] = []
+    passes = passes or (1 if quick else 3)
+    min_seconds = 0.0 if quick else MIN_SECONDS
     swap_sizes = (8, 64) if quick else (8, 32, 128)
-    bar = tqdm(total=len(shapes) + len(swap_sizes) + 2, desc="profiling", unit="shape", disable=not progress)
-    for kind, build in shapes:
-        seqs = build(plans)
-        plan = plans.plan(seqs)
-        samples.append(Sample(kind, StepShape.of(plan), _time(lambda: runner.execute(plan), repeats)))
+    transitions = (64,) if quick else AFTER_PREFILL_TOKENS
+    bar = tqdm(total=passes * len(shapes) + len(transitions) + len(swap_sizes) + 3, desc="profiling",
+               unit="shape", disable=not progress)
+    measured: list[list[float]] = [[] for _ in shapes]
+    kept: list[StepShape | None] = [None] * len(shapes)
+    for sweep in range(passes):
+        order = range(len(shapes)) if sweep % 2 == 0 else reversed(range(len(shapes)))
+        for i in order:
+            plan = plans.plan(shapes[i][1](plans))
+            kept[i] = StepShape.of(plan)
+            measured[i].append(_time(lambda: runner.execute(plan), repeats, min_seconds))
+            bar.update(1)
+    samples = [Sample(kind, shape, statistics.median(times))
+               for (kind, _), shape, times in zip(shapes, kept, measured)]
+    after_prefill = {}   # prefill tokens -> extra seconds of the decode steps after such a chunk
+    for n in transitions:
+        curve = measure_after_prefill(engine, plans, n, repeats=2 if quick else 6)
+        if curve is not None:
+            after_prefill[n] = curve
         bar.update(1)
     swap_per_block = []
     host_blocks = runner.host.num_blocks
     for n in swap_sizes:
         n = min(n, host_blocks, runner.kv.num_blocks)
         mapping = [(i, i) for i in range(n)]
-        swap_per_block.append(_time(lambda: runner.swap(mapping, []), repeats) / n)
-        swap_per_block.append(_time(lambda: runner.swap([], mapping), repeats) / n)
+        swap_per_block.append(_time(lambda: runner.swap(mapping, []), repeats, min_seconds) / n)
+        swap_per_block.append(_time(lambda: runner.swap([], mapping), repeats, min_seconds) / n)
         bar.update(1)
     executor_only, quality = fit(samples)
     # The engine's own per-step work outside the executor: a fixed part and a part per sequence.
@@ -235,6 +371,8 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, progress: 
     batch = min(32, engine.config.scheduler.max_num_seqs)
     large = measure_engine_overhead(engine, batch)
     bar.update(1)
+    probe = probe_times(engine)   # the reference of later speed checks
+    bar.update(1)
     bar.close()
     per_seq = max(0.0, (large - small) / max(1, batch - 1))
     fixed = max(0.0, small - per_seq)
@@ -242,12 +380,14 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, progress: 
     model = StepCostModel(executor_only.knots, [c + fixed for c in executor_only.knot_costs],
                           executor_only.decode_context, executor_only.prefill_attention, executor_only.sampled,
                           per_seq, swap_block=statistics.median(swap_per_block),
+                          after_prefill_tokens=sorted(after_prefill),
+                          after_prefill=[after_prefill[n] for n in sorted(after_prefill)],
                           kv_bytes_per_token=engine.model_config.kv_bytes_per_token(getattr(torch, engine.dtype).itemsize))
     model.meta = {
         "machine": machine(), "model": engine.model_name, "dtype": engine.dtype, "block_size": cfg.block_size,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "fit": quality,
         "dispatch_thresholds": dispatch_thresholds(engine),
-        "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large},
+        "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large}, "probe": probe,
         "samples": [{"kind": s.kind, "measured_s": s.seconds, "fitted_s": executor_only.shape_time(s.shape),
                      "tokens": s.shape.tokens, "decode_context": s.shape.decode_context,
                      "prefill_attention": s.shape.prefill_attention, "sampled": s.shape.num_sampled}

@@ -125,12 +125,33 @@ class StepCostModel:
     decode_scales: list[float] = field(default_factory=list)    # per knot
     prefill_scales: list[float] = field(default_factory=list)   # per knot
     between_steps: float = 0.0
+    # A step's cost also depends on the step before it: a prefill chunk's activations evict the weights
+    # the decode steps keep warm in the CPU's caches, and the decode steps after it read them from
+    # memory again, recovering over several steps (measured on an AMX Xeon with a ~64-100 MB
+    # effective L3: +3 ms on a 3.1 ms batch-1 step right after a 256-token chunk, +2.6, +2.1, +1.6,
+    # ... ~13 ms in all; +0.8 ms after an 8-token one). ``after_prefill[i][k]``: the extra seconds of
+    # the k-th decode-only step after a step carrying ``after_prefill_tokens[i]`` prefill tokens
+    # (interpolated between, flat past the ends; `conveyor profile` measures it; empty: none).
+    after_prefill_tokens: list[int] = field(default_factory=list)
+    after_prefill: list[list[float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.knots) != len(self.knot_costs) or not self.knots or sorted(set(self.knots)) != list(self.knots):
             raise ValueError("knots must be increasing token counts, one cost each")
         if any(len(c) not in (0, len(self.knots)) for c in (self.decode_scales, self.prefill_scales)):
             raise ValueError("a correction curve has one factor per knot (or none)")
+        if len(self.after_prefill) != len(self.after_prefill_tokens) or \
+                sorted(set(self.after_prefill_tokens)) != list(self.after_prefill_tokens):
+            raise ValueError("after_prefill: one curve per prefill size, sizes increasing")
+
+    def after_prefill_time(self, prefill_tokens: int, k: int) -> float:
+        """Extra seconds of the k-th (from 0) decode-only step after a step that carried
+        `prefill_tokens` prefill tokens (0 without a measured transition)."""
+        if not self.after_prefill:
+            return 0.0
+        x = min(max(prefill_tokens, self.after_prefill_tokens[0]), self.after_prefill_tokens[-1])
+        weights = hat_weights(self.after_prefill_tokens, x)
+        return sum(w * (curve[k] if k < len(curve) else 0.0) for w, curve in zip(weights, self.after_prefill))
 
     def token_cost(self, tokens: int) -> float:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
@@ -155,6 +176,16 @@ class StepCostModel:
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_block
 
+    def scaled(self, factor: float) -> StepCostModel:
+        """This model on a machine `factor` times slower (every time it prices multiplied by it):
+        what a speed check (``conveyor profile --recheck``) applies when the machine runs at another
+        speed than when it was profiled."""
+        return replace(self, knot_costs=[c * factor for c in self.knot_costs],
+                       decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
+                       sampled=self.sampled * factor, seq=self.seq * factor, swap_block=self.swap_block * factor,
+                       between_steps=self.between_steps * factor,
+                       after_prefill=[[t * factor for t in curve] for curve in self.after_prefill], meta=dict(self.meta))
+
     def recompute_time_per_token(self, context: int = 256) -> float:
         """A preempted request's tokens computed again as one prefill chunk (about `context` long)."""
         s = StepShape(prefill_tokens=context, prefill_attention=context * (context + 1) / 2, num_seqs=1)
@@ -171,6 +202,37 @@ class StepCostModel:
             raise ValueError(f"{path} is not a step cost model (the output of `conveyor profile`)")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class AfterPrefill:
+    """What a step's cost depends on besides its own shape: how many decode-only steps ran since the
+    last step that carried prefill tokens, and how many it carried. One per engine (replica), fed
+    every executed step in order: the simulator's executor and `conveyor simulate --validate`."""
+
+    __slots__ = ("last", "since")
+
+    def __init__(self) -> None:
+        self.last = 0      # prefill tokens of the last step that had some
+        self.since = -1    # decode-only steps since (-1: no prefill yet)
+
+    def advance(self, prefill_tokens: int, tokens: int) -> tuple[int, int]:
+        """Take a step of `tokens` tokens, `prefill_tokens` of them prefill: its position, (prefill
+        tokens of the last step before it that had some, decode-only steps between; -1 where it
+        carries prefill itself, has no tokens, or no prefill came before)."""
+        if prefill_tokens:
+            self.last, self.since = prefill_tokens, 0
+            return self.last, -1
+        if self.since < 0 or not tokens:
+            return self.last, -1
+        self.since += 1
+        return self.last, self.since - 1
+
+    def extra(self, cost: object, prefill_tokens: int, tokens: int) -> float:
+        """The extra seconds of that step under `cost` (none for a model without
+        ``after_prefill_time``), the state advanced."""
+        last, since = self.advance(prefill_tokens, tokens)
+        after = getattr(cost, "after_prefill_time", None)
+        return after(last, since) if since >= 0 and after is not None else 0.0
 
 
 def hat_weights(knots: list[int], x: float) -> list[float]:

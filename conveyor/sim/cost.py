@@ -1,7 +1,7 @@
 """The step-cost models, re-exported from their home below the engine (conveyor/scheduler/costs.py):
 the engine uses them too, and the simulator sits above the engine."""
 
-from conveyor.scheduler.costs import (CostModel, StepCostModel, StepShape, hat_weights, preemption_costs,
+from conveyor.scheduler.costs import (AfterPrefill, CostModel, StepCostModel, StepShape, hat_weights, preemption_costs,
                                       with_preemption_costs)
 
-__all__ = ["CostModel", "StepCostModel", "StepShape", "hat_weights", "preemption_costs", "with_preemption_costs"]
+__all__ = ["AfterPrefill", "CostModel", "StepCostModel", "StepShape", "hat_weights", "preemption_costs", "with_preemption_costs"]

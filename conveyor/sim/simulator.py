@@ -21,7 +21,7 @@ from conveyor.engine.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
 from conveyor.routing import Router
 from conveyor.scheduler.config import SchedulerConfig
-from conveyor.scheduler.costs import CostModel, StepCostModel, preemption_costs
+from conveyor.scheduler.costs import AfterPrefill, CostModel, StepCostModel, StepShape, preemption_costs
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
@@ -51,12 +51,15 @@ class CostModelExecutor:
 
     def __init__(self, cost: CostModel, clock: SimClock, oracle: OracleLengths):
         self.cost, self.clock, self.oracle = cost, clock, oracle
+        self.after_prefill = AfterPrefill()   # decode steps after a prefill chunk cost more (cost.py)
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         self.clock.advance(self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in)))
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        self.clock.advance(self.cost.step_time(plan))
+        shape = StepShape.of(plan)
+        t = self.cost.shape_time(shape) if isinstance(self.cost, StepCostModel) else self.cost.step_time(plan)
+        self.clock.advance(t + self.after_prefill.extra(self.cost, shape.prefill_tokens, shape.tokens))
         return ModelOutput(self.oracle.fix(plan, {s.request_id: EOS + 1 for s in plan.scheduled if s.sample}))
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from conveyor.engine.trace import StepTracer
-from conveyor.scheduler.costs import StepCostModel, StepShape, hat_weights
+from conveyor.scheduler.costs import AfterPrefill, StepCostModel, StepShape, hat_weights
 
 RUN = 16        # held out: every other run of this many consecutive steps
 # Knots the trace barely touches: each factor is pulled towards its neighbours' (SMOOTH, in steps'
@@ -51,6 +51,8 @@ class TracedStep:
     swap_blocks: int
     seconds: float       # its cycle: the engine's step (dt) and the time until the next step started
     gap: float           # of which the time until the next step started
+    last_prefill: int = 0     # prefill tokens of the last step before it that carried some
+    since_prefill: int = -1   # decode-only steps between that one and this (-1: none before, or it has prefill)
 
     @property
     def kind(self) -> str:
@@ -75,12 +77,15 @@ def traced_steps(trace: StepTracer) -> list[TracedStep]:
     step followed at once, as cycles."""
     gaps = _followed(trace)
     steps = []
+    state = AfterPrefill()   # every step run counts, as in the simulator's executor
     for i, r in enumerate(trace.records):
+        prefill = r.shape["prefill_tokens"] if r.shape is not None else r.prefill_tokens
+        position = state.advance(prefill, r.prefill_tokens + r.decode_tokens)
         if r.shape is None or r.failed or i not in gaps:
             continue
         shape = StepShape(**{k: v for k, v in r.shape.items() if k in StepShape.__slots__})
         if shape.tokens:
-            steps.append(TracedStep(i, shape, r.swap_blocks, r.dt + gaps[i], gaps[i]))
+            steps.append(TracedStep(i, shape, r.swap_blocks, r.dt + gaps[i], gaps[i], *position))
     if not steps:
         raise ValueError("the trace has no busy steps with their shapes: record one with this version "
                          "(conveyor serve --step-trace, LLM(step_trace=...)) while requests keep the engine busy")
@@ -108,9 +113,16 @@ def _label(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}+" if hi >= 1 << 62 else f"{lo}-{hi}"
 
 
+def after_prefill(cost: StepCostModel, step: TracedStep) -> float:
+    """The model's extra time for a decode step that follows a prefill chunk (cost.py, AfterPrefill)."""
+    return cost.after_prefill_time(step.last_prefill, step.since_prefill) if step.since_prefill >= 0 else 0.0
+
+
 def predicted(cost: StepCostModel, step: TracedStep) -> float:
-    """The model's cycle for the step: the step, its swap copies and the time between steps."""
-    return cost.shape_time(step.shape) + cost.swap_time(step.swap_blocks) + cost.between_steps
+    """The model's cycle for the step: the step, its swap copies, the extra time of a decode step
+    after a prefill chunk and the time between steps."""
+    return cost.shape_time(step.shape) + cost.swap_time(step.swap_blocks) + after_prefill(cost, step) \
+        + cost.between_steps
 
 
 def step_errors(steps: list[TracedStep], cost: StepCostModel) -> dict:
@@ -153,7 +165,7 @@ def _fit_curve(cost: StepCostModel, steps: list[TracedStep], between: float) -> 
     rows, evidence = [], np.zeros(n)
     for s in steps:
         p = cost.shape_time(s.shape)
-        y = s.seconds - cost.swap_time(s.swap_blocks) - between
+        y = s.seconds - cost.swap_time(s.swap_blocks) - after_prefill(cost, s) - between
         if p <= 0 or y <= 0:
             continue
         tokens = min(max(s.shape.tokens, cost.knots[0]), cost.knots[-1])

@@ -133,3 +133,44 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
         measured.meta["dispatch_thresholds"] = {**measured.meta["dispatch_thresholds"], "quant_dense_tokens_0": 15}
         warn_if_profile_stale(measured, model)
         assert "run `conveyor profile` again" in caplog.text
+
+
+def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_path):
+    """`conveyor profile --recheck [--rescale]`: a profile keeps a few of its step shapes' times (its
+    probe); a later check times them again and gives the machine's drift as their median ratio; the
+    rescaled profile prices every step by that factor and compares the next check with the new times.
+    A profile's sweeps (`passes`) give one sample per shape; it measures the decode steps after a chunk."""
+    import statistics
+
+    from conveyor.profile import AFTER_PREFILL_STEPS, recheck_profile, step_shapes
+    from conveyor.sim.cost import StepShape
+
+    engine = make_engine(max_num_seqs=8)
+    model = profile(engine, quick=True, repeats=1, passes=2, progress=False)
+    assert model.meta["fit"]["samples"] == len(step_shapes(engine, quick=True))
+    # the decode steps after a 64-token chunk, measured apart (on this tiny model the caches hardly care)
+    assert model.after_prefill_tokens == [64] and len(model.after_prefill[0]) == AFTER_PREFILL_STEPS
+    assert all(t >= 0 for t in model.after_prefill[0])
+    probe = model.meta["probe"]
+    assert set(probe) == {"decode 1@128", "decode 8@128", "prefill 256@0"}   # 32 sequences exceed max_num_seqs
+    assert all(t > 0 for t in probe.values())
+    path = tmp_path / "profile.json"
+    model.save(path)
+    check = recheck_profile(engine, path, rescale=True)
+    factor = check["factor"]
+    assert check["then_s"] == probe and set(check["ratios"]) == set(probe)
+    assert factor == pytest.approx(statistics.median(check["now_s"][k] / probe[k] for k in probe))
+    saved = StepCostModel.load(path)
+    shape = StepShape(prefill_tokens=40, decode_tokens=3, decode_context=300, prefill_attention=900, num_seqs=4,
+                      num_sampled=4)
+    assert saved.shape_time(shape) == pytest.approx(factor * model.shape_time(shape))
+    assert saved.swap_time(5) == pytest.approx(factor * model.swap_time(5))
+    assert saved.meta["probe"] == check["now_s"] and [c["factor"] for c in saved.meta["speed_checks"]] == [factor]
+    again = recheck_profile(engine, path)   # against the rescaled profile's times; without --rescale, nothing saved
+    assert again["then_s"] == check["now_s"] and StepCostModel.load(path).knot_costs == saved.knot_costs
+    without = StepCostModel(model.knots, model.knot_costs, meta={k: v for k, v in model.meta.items() if k != "probe"})
+    without.save(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="no probe times"):
+        recheck_profile(engine, tmp_path / "old.json")
+    with pytest.raises(ValueError, match="no profile at"):
+        recheck_profile(engine, tmp_path / "missing.json")

@@ -13,9 +13,9 @@ import pytest
 
 from conveyor.engine.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
-from conveyor.sim.cost import StepCostModel
+from conveyor.sim.cost import AfterPrefill, StepCostModel, StepShape
 from conveyor.sim.simulator import SimRequest, simulate
-from conveyor.sim.validate import calibrate, gaps_between_steps, token_buckets, validate
+from conveyor.sim.validate import calibrate, gaps_between_steps, predicted, token_buckets, traced_steps, validate
 from conveyor.sim.workload import WorkloadSpec
 
 KNOTS = [1, 2, 4, 8, 9, 16, 64, 256, 1024]
@@ -150,3 +150,102 @@ def test_profile_sustained_flag_does_not_swallow_the_model_path():
     assert build_parser().parse_args(["profile", "--sustained-requests", "30"]).sustained_requests == 30
     with pytest.raises(SystemExit):
         build_parser().parse_args(["profile", "--sustained", "--sustained-requests", "0"])
+
+
+def test_a_scaled_model_prices_every_step_and_copy_by_the_factor():
+    """What a speed check applies: the machine `factor` times slower, for any shape, a trace-fitted
+    correction and the time between steps included, and the original untouched."""
+    corrected = replace(calibrate(real_trace(), PROFILE)[0], after_prefill_tokens=[16, 256],
+                        after_prefill=[[0.001, 0.0005], [0.003, 0.002, 0.001]])
+    scaled = corrected.scaled(1.25)
+    trace = real_trace(rate=2.0)
+    for record in trace.records:
+        if record.shape is None:
+            continue
+        shape = StepShape(**{k: v for k, v in record.shape.items() if k in StepShape.__slots__})
+        assert scaled.shape_time(shape) == pytest.approx(1.25 * corrected.shape_time(shape))
+    assert scaled.swap_time(7) == pytest.approx(1.25 * corrected.swap_time(7))
+    assert scaled.between_steps == pytest.approx(1.25 * corrected.between_steps) and corrected.between_steps > 0
+    assert scaled.after_prefill_time(100, 1) == pytest.approx(1.25 * corrected.after_prefill_time(100, 1))
+    assert corrected.after_prefill_time(100, 1) > 0
+    assert scaled.decode_scales == corrected.decode_scales and scaled.knots == corrected.knots
+    assert corrected.knot_costs == PROFILE.knot_costs and corrected.after_prefill[1][0] == 0.003   # a copy
+    # the simulation of a slower machine: the same schedule, later
+    fast = simulate(workload(3, 4.0), CONFIG, num_blocks=400, cost=corrected)
+    slow = simulate(workload(3, 4.0), CONFIG, num_blocks=400, cost=corrected.scaled(1.25))
+    assert slow.metric("tpot_p50") > fast.metric("tpot_p50")
+
+
+def test_profile_timing_runs_short_steps_for_a_minimum_time(monkeypatch):
+    """A shape is run once to warm up, then `repeats` times, and more while less than `min_seconds`
+    have passed (a clock that advances 125 ms per run here), never more than MAX_REPEATS."""
+    import conveyor.profile as prof
+
+    clock = [0.0]
+    runs = []
+
+    def step():
+        runs.append(clock[0])
+        clock[0] += 0.125   # binary fractions: exact sums
+
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+    assert prof._time(step, 3) == 0.125 and len(runs) == 1 + 3
+    runs.clear()
+    prof._time(step, 3, min_seconds=1.0)
+    assert len(runs) == 1 + 8
+    runs.clear()
+    prof._time(step, 3, min_seconds=100.0)
+    assert len(runs) == 1 + prof.MAX_REPEATS
+
+
+# A machine whose decode steps pay for the weights a prefill chunk evicted from the caches: +4 ms on the
+# first decode step after a 256-token chunk, then less each step (+1 ms after a 16-token chunk).
+AFTER = dict(after_prefill_tokens=[16, 256], after_prefill=[[0.001, 0.0005], [0.004, 0.003, 0.002, 0.001]])
+
+
+def test_decode_steps_after_a_prefill_chunk_pay_the_measured_transition():
+    cost = replace(PROFILE, **AFTER)
+    assert cost.after_prefill_time(256, 0) == 0.004 and cost.after_prefill_time(1000, 3) == 0.001   # flat past
+    assert cost.after_prefill_time(136, 0) == pytest.approx(0.0025)   # halfway between the sizes
+    assert cost.after_prefill_time(256, 4) == 0.0 and PROFILE.after_prefill_time(256, 0) == 0.0
+    # the state: decode-only steps counted from the last step that carried prefill tokens
+    state = AfterPrefill()
+    extras = [state.extra(cost, p, t) for p, t in [(0, 3), (256, 256), (0, 4), (0, 4), (16, 20), (0, 2), (0, 2),
+                                                    (0, 2)]]
+    assert extras == pytest.approx([0, 0, 0.004, 0.003, 0, 0.001, 0.0005, 0])
+    with pytest.raises(ValueError, match="one curve per prefill size"):
+        replace(PROFILE, after_prefill_tokens=[16])
+    # In the simulator: the same schedule's decode steps run longer, by exactly those amounts.
+    plain = simulate(workload(2, 4.0), CONFIG, num_blocks=400, cost=PROFILE, trace=True, seed=2)
+    slow = simulate(workload(2, 4.0), CONFIG, num_blocks=400, cost=cost, trace=True, seed=2)
+    assert slow.metric("tpot_p50") > plain.metric("tpot_p50")
+    state, total = AfterPrefill(), 0.0
+    for r in slow.traces[0].records:
+        extra = state.extra(cost, r.shape["prefill_tokens"], r.prefill_tokens + r.decode_tokens)
+        shape = StepShape(**{k: v for k, v in r.shape.items() if k in StepShape.__slots__})
+        assert r.dt == pytest.approx(PROFILE.shape_time(shape) + extra)
+        total += extra
+    assert total > 0.05
+
+
+def test_validation_prices_the_steps_after_a_prefill_chunk():
+    """A trace of a machine with the transition: the true model (transition included) prices it exactly;
+    without the transition the decode buckets come out short; the calibration keeps the profile's
+    measured transition and fits the rest."""
+    truth = replace(TRUTH, between_steps=GAP, **AFTER)
+    trace = simulate(workload(0, 4.0), CONFIG, num_blocks=400, cost=truth, trace=True, seed=0).traces[0]
+    exact = validate(trace, truth)
+    assert all(abs(r["error"]) < 1e-9 for r in exact["buckets"])
+    missing = replace(truth, after_prefill_tokens=[], after_prefill=[])
+    steps = traced_steps(trace)
+    first = [s for s in steps if s.since_prefill == 0]
+    assert len(first) > 20 and all(s.kind == "decode" for s in first)
+    for s in first:   # the first decode step after a chunk: short by the transition without it
+        assert s.seconds - predicted(missing, s) == pytest.approx(truth.after_prefill_time(s.last_prefill, 0))
+    assert all(predicted(missing, s) == pytest.approx(s.seconds) for s in steps if s.since_prefill < 0)
+    corrected, report = calibrate(trace, replace(PROFILE, **AFTER))
+    assert corrected.after_prefill == AFTER["after_prefill"]
+    assert abs(report["after"]["all"]["error"]) < 0.02 < abs(report["before"]["all"]["error"])
+    for r in report["after"]["buckets"]:
+        if r["steps"] >= 10:
+            assert abs(r["error"]) < 0.05, r
