@@ -4,9 +4,9 @@ Sweeps steps of chosen shapes through the engine's own ModelRunner (the executor
 uses): prefill chunks of several sizes after several cached-context lengths, decode batches of
 1..max_num_seqs sequences at several context lengths, mixed steps (a chunk beside decodes), and
 swap copies of N blocks. Each shape runs once to warm up, then ``repeats`` times or more (0.1 s),
-in several sweeps; the median counts. The decode steps after a prefill chunk are measured apart (they
-read weights the chunk evicted from the caches). The engine's own per-step work outside the executor (scheduling, updating requests,
-detokenizing) is measured on a short real run and added. The StepCostModel of cost.py (a
+in several sweeps; the median counts. The decode steps after a prefill chunk are measured apart
+(they read weights the chunk evicted from the caches). The engine's own per-step work outside the
+executor (scheduling, updating requests, detokenizing) is measured on a short real run and added. The StepCostModel of cost.py (a
 piecewise-linear cost over the step's token count, plus costs per KV token read, per prefill
 query-key pair and per sampled sequence) is then fitted by least squares on relative error,
 with non-negative coefficients, and saved as JSON with the machine and model it came from.
