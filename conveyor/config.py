@@ -57,7 +57,8 @@ class EngineConfig:
                 "profile saved for this model and dtype, if there is one; 'none': the swap_cost_per_block and "
                 "recompute_cost_per_token constants)")
     step_trace: str | None = option(None, "record every step and write the trace to this JSON file (and a "
-                                          "Chrome/Perfetto trace beside it) at the end of generate() or serve")
+                                          "Chrome/Perfetto trace beside it) at the end of generate() or serve; "
+                                          "data-parallel and Ray Serve replicas each write NAME.replicaR.json")
     tensor_parallel_size: int = option(
         1, "ranks that each hold a slice of every layer (Megatron-style, over torch.distributed: gloo on CPU, "
            "NCCL on CUDA); spawned on this machine, or joined under torchrun")

@@ -11,10 +11,18 @@ Policies:
 - ``round-robin``: the next live replica in turn;
 - ``least-load``: the live replica with the lowest load (``replica_load``: unfinished requests,
   KV usage breaking ties; the lower index on a tie);
-- ``prefix``: the replica that last served the longest matching prompt prefix (the first
-  1..``prefix_blocks`` full KV blocks), unless its load exceeds the least loaded live replica's
-  by more than ``balance_slack`` — then least-load, and the prefix moves there. A prompt shorter
-  than one block goes by load.
+- ``prefix``: the replica holding (or, failing that, last sent) the longest matching prompt prefix
+  (the first 1..``prefix_blocks`` full KV blocks), unless its load exceeds the least loaded live
+  replica's by more than ``balance_slack`` — then least-load, and the prefix moves there. A
+  prompt shorter than one block goes by load.
+
+What each replica holds, the router learns from the replicas' KV cache events (``learn``: the
+wire form of ``kv/events.py``, the stream vLLM defined and llm-d's indexer reads): blocks stored
+in a replica's cache count for it, and leave it with their removal or a cleared cache. A replica
+holding at least as long a run of the prompt's blocks as the one it was last sent to wins. Until
+a replica's events say it stored a prompt's blocks (they are published after its prefill step),
+the router goes by where it last sent that prefix, so a burst of prompts sharing a preamble stays
+together. Without events (``learn`` never called) that memory is all it has.
 
 A load of ``None`` means the replica is down: no policy picks it.
 
@@ -82,11 +90,56 @@ def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
     return keys
 
 
+def external_hash(key: bytes) -> int:
+    """A prefix-cache key as KV events carry it: its last 8 bytes as a big-endian unsigned int."""
+    return int.from_bytes(key[-8:], "big")
+
+
+class CacheIndex:
+    """The prefix blocks each replica's KV cache holds (their external hashes), as its KV events
+    say. Blocks in host memory (medium "CPU": a swapped-out request's copy) do not count: a new
+    request cannot hit them."""
+
+    DEVICE = "GPU"   # the KV cache's medium in the events (kv/events.py's MEDIUM_DEVICE)
+
+    def __init__(self) -> None:
+        self._held: dict[int, set[int]] = {}
+
+    def apply(self, replica: int, events: Sequence[Sequence]) -> None:
+        """Replica `replica`'s events, in the order it published them."""
+        held = self._held.setdefault(replica, set())
+        for e in events:
+            kind = e[0]
+            if kind == "BlockStored" and (len(e) < 7 or e[6] in (None, self.DEVICE)):
+                held.update(e[1])
+            elif kind == "BlockRemoved" and (len(e) < 3 or e[2] in (None, self.DEVICE)):
+                held.difference_update(e[1])
+            elif kind == "AllBlocksCleared":
+                held.clear()
+
+    def leading(self, replica: int, hashes: Sequence[int]) -> int:
+        """How many of `hashes` (a prompt's block chain), from the first, the replica holds."""
+        held = self._held.get(replica, ())
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def blocks(self, replica: int) -> int:
+        return len(self._held.get(replica, ()))
+
+    def clear(self, replica: int) -> None:
+        self._held.pop(replica, None)
+
+
 class Router:
     """Picks a replica for a prompt from the replicas' current loads (None = the replica is down).
 
     State: the round-robin position and, for ``prefix``, an LRU map from prefix key to the
-    replica that last served it (at most ``max_prefixes`` keys). One instance per set of replicas.
+    replica it was last sent to (at most ``max_prefixes`` keys) and, once ``learn`` is fed the
+    replicas' KV events, a ``CacheIndex`` of what each holds. One instance per set of replicas.
     """
 
     def __init__(self, policy: str = "prefix", block_size: int = 16, prefix_blocks: int = 4,
@@ -97,8 +150,20 @@ class Router:
         self.balance_slack = balance_slack
         self.max_prefixes = max_prefixes
         self._next = 0
-        self._owner: OrderedDict[bytes, int] = OrderedDict()   # prefix key -> replica (LRU)
-        self.prefix_routed = 0    # requests sent where their prefix was seen before
+        self._owner: OrderedDict[int, int] = OrderedDict()   # prefix key's external hash -> replica (LRU)
+        self.index: CacheIndex | None = None   # what the replicas hold, once learn() is called
+        self.prefix_routed = 0    # requests sent where their prefix was held or seen before
+        self.held_routed = 0      # ... of which: where a replica's events said it held the prefix
+
+    def learn(self, replica: int, events: Sequence[Sequence]) -> None:
+        """A replica's KV cache events (kv/events.py's wire form, in the order it published them):
+        what it stores counts for it, what it removes (or a cleared cache) no longer does. Where
+        prefixes were sent is not forgotten on an eviction: a group of prompts that keeps going
+        to one replica rebuilds its blocks there, instead of spreading over every cache (in the
+        simulator, dropping it cost a few points of prefix-cache hits with small caches)."""
+        if self.index is None:
+            self.index = CacheIndex()
+        self.index.apply(replica, events)
 
     def choose(self, token_ids: Sequence[int], loads: Sequence[float | None],
                cache_salt: str | None = None) -> int:
@@ -117,15 +182,26 @@ class Router:
         least = min(live, key=lambda i: (loads[i], i))
         if self.policy == "least-load":
             return least
-        keys = prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)
-        choice = least
-        for key in reversed(keys):   # the longest prefix seen before wins
-            owner = self._owner.get(key)
+        keys = [external_hash(k) for k in prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)]
+        held, held_n = None, 0   # the live replica whose cache holds the longest run of the prompt's blocks
+        if self.index is not None and keys:
+            for i in live:
+                n = self.index.leading(i, keys)
+                if n > held_n or (n and n == held_n and loads[i] < loads[held]):
+                    held, held_n = i, n
+        sent, sent_n = None, 0   # the live replica the longest of them was last sent to
+        for n in range(len(keys), 0, -1):
+            owner = self._owner.get(keys[n - 1])
             if owner is not None and owner < len(loads) and loads[owner] is not None:
-                if loads[owner] - loads[least] <= self.balance_slack:
-                    choice = owner
-                    self.prefix_routed += 1
+                sent, sent_n = owner, n
                 break
+        # What a cache holds wins; a longer prefix sent since (its blocks not stored yet) wins over it.
+        owner = held if held_n and held_n >= sent_n else sent
+        choice = least
+        if owner is not None and loads[owner] - loads[least] <= self.balance_slack:
+            choice = owner
+            self.prefix_routed += 1
+            self.held_routed += owner == held
         for key in keys:
             self._owner[key] = choice
             self._owner.move_to_end(key)
@@ -136,14 +212,17 @@ class Router:
     def owner(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
         """The replica recorded for the prompt's longest known prefix (None: none known). Read only."""
         for key in reversed(prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)):
-            if key in self._owner:
-                return self._owner[key]
+            if external_hash(key) in self._owner:
+                return self._owner[external_hash(key)]
         return None
 
     def forget_replica(self, replica: int) -> None:
         """Drop every prefix recorded for a replica (it was removed, or restarted with an empty cache)."""
         for key in [k for k, r in self._owner.items() if r == replica]:
             del self._owner[key]
+        if self.index is not None:
+            self.index.clear(replica)
 
 
-__all__ = ["ALIASES", "POLICIES", "NoReplicaError", "Router", "policy_name", "prefix_keys", "replica_load"]
+__all__ = ["ALIASES", "POLICIES", "CacheIndex", "NoReplicaError", "Router", "external_hash", "policy_name",
+           "prefix_keys", "replica_load"]

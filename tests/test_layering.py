@@ -35,7 +35,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "routing": (),
     "sampling": ("errors",),
     "request": ("sampling",),
-    "kv": ("request",),
+    "kv": ("request", "routing"),
     "scheduler": ("config_fields", "kv", "request", "sampling"),
     "config": ("config_fields", "scheduler"),
     "model": ("paths", "tokenizer"),

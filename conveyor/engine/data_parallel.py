@@ -7,11 +7,16 @@ replica is down:
 
 - ``round-robin``: the next live replica in turn;
 - ``least-load``: the live replica with the fewest unfinished requests (KV usage breaks ties);
-- ``prefix`` (default): the replica that last served the longest matching prompt prefix (the KV
-  cache's keys of the first 1..``prefix_blocks`` blocks, the cache salt included, so requests
-  sharing a system prompt or a few-shot preamble meet their cached blocks), unless it has
-  ``balance_slack`` more unfinished requests than the least loaded live replica — then
-  least-load, and the prefix moves there.
+- ``prefix`` (default): the replica whose cache holds (or, until its KV events say so, that was
+  last sent) the longest matching prompt prefix (the KV cache's keys of the first
+  1..``prefix_blocks`` blocks, the cache salt included, so requests sharing a system prompt or a
+  few-shot preamble meet their cached blocks), unless it has ``balance_slack`` more unfinished
+  requests than the least loaded live replica — then least-load, and the prefix moves there.
+  What each replica holds comes from its KV cache events (vLLM's wire format, what llm-d's
+  indexer reads): this process subscribes to every replica's stream (``KVEventListener``) — the
+  stream the user configured with ``--kv-events-endpoint`` where it is bound here, else a
+  private ipc socket per replica — so a prefix cached on a replica the router did not send it
+  to is found, and one evicted from its home but held by another replica goes to the holder.
 
 A replica whose process dies fails its own in-flight requests with a clear error (not retried:
 a partly streamed answer cannot be replayed invisibly); the router stops sending it requests,
@@ -21,13 +26,16 @@ a partly streamed answer cannot be replayed invisibly); the router stops sending
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
+import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from conveyor import routing
@@ -54,6 +62,16 @@ class Router(routing.Router):
             raise EngineDeadError(str(e)) from None
 
 
+def replica_config(config: EngineConfig, rank: int, own_trace: bool = True) -> EngineConfig:
+    """Replica `rank`'s config: its rank (its own KV-event ports) and, with `own_trace`, its own
+    step-trace file (NAME.replicaR.json beside NAME.json: each replica records its own steps)."""
+    config = replace(config, data_parallel_rank=rank)
+    if config.step_trace and own_trace:
+        path = Path(config.step_trace)
+        config = replace(config, step_trace=str(path.with_name(f"{path.stem}.replica{rank}{path.suffix}")))
+    return config
+
+
 class DataParallelEngine:
     """N ProcessEngine replicas behind the EngineClient protocol; see the module docstring."""
 
@@ -65,10 +83,13 @@ class DataParallelEngine:
             raise ValueError(f"data_parallel_size must be >= 1, got {replicas}")
         threads = config.torch_threads or max(1, (os.cpu_count() or 1) // (replicas * config.tensor_parallel_size))
         config = replace(config, torch_threads=threads)
+        listen: list[str] | None = None
+        if routing.policy_name(router) == "prefix" and replicas > 1:   # the router learns from the KV events
+            config, listen = events_for_router(config, replicas)
         per_replica_waiting = None if max_waiting is None else max(1, math.ceil(max_waiting / replicas))
         with ThreadPoolExecutor(replicas) as pool:   # replicas load their models at the same time
-            futures = [pool.submit(ProcessEngine, replace(config, data_parallel_rank=i), per_replica_waiting)
-                       for i in range(replicas)]   # the rank: each replica's own KV-event ports
+            futures = [pool.submit(ProcessEngine, replica_config(config, i, own_trace=replicas > 1),
+                                   per_replica_waiting) for i in range(replicas)]
             errors = [f.exception() for f in futures]
         started = [f.result() for f, e in zip(futures, errors) if e is None]
         if any(errors):
@@ -85,6 +106,9 @@ class DataParallelEngine:
         for i, r in enumerate(started):
             r.add_finished_listener(self._forget)
         self._reported_down: set[int] = set()
+        self.events: KVEventListener | None = None
+        if listen is not None:
+            self.events = KVEventListener(listen, config.kv_events_topic, self._learn)
 
     # ---- EngineClient ------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -159,10 +183,25 @@ class DataParallelEngine:
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
+        self._stop_listening()
 
     def close(self, timeout: float = 0.0) -> None:
         for r in self.replicas:
             r.close(timeout)
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        events, self.events = getattr(self, "events", None), None
+        if events is not None:
+            events.close()
+
+    def _learn(self, replica: int, events: list, lost: bool) -> None:
+        """A replica's batch of KV events, for the router (`lost`: batches before it were missed)."""
+        with self._lock:
+            if lost:   # what it holds is no longer known: forget it, then learn again from here
+                logger.warning("KV events of replica %d were lost; the router forgets what it held", replica)
+                self.router.forget_replica(replica)
+            self.router.learn(replica, events)
 
     # ---- internals ---------------------------------------------------------------------------
     def _forget(self, out: RequestOutput) -> None:
@@ -179,6 +218,96 @@ class DataParallelEngine:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
+
+
+def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig, list[str] | None]:
+    """The config with the replicas' KV events on, and where this process subscribes to each replica's
+    (None: it cannot, and the prefix router goes by where it sent prefixes). Events the user
+    publishes on a bound endpoint are read there (tcp wildcards through the loopback); without an
+    endpoint, each replica publishes on a private ipc socket."""
+    try:
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
+                    "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
+        return config, None
+    from conveyor.kv.events import binds, offset_endpoint
+
+    endpoint = config.kv_events_endpoint
+    if endpoint is None:
+        endpoint = f"ipc://{tempfile.gettempdir()}/conveyor-kv-{os.getpid()}-{next(_private)}"
+        config = replace(config, kv_events_endpoint=endpoint)
+    elif not binds(endpoint) or endpoint.startswith("inproc://"):
+        logger.info("KV events go to %s; the prefix router goes by where it sent prefixes", endpoint)
+        return config, None
+    listen = [offset_endpoint(endpoint, i) for i in range(replicas)]
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        listen = [ep.replace(wildcard, "tcp://127.0.0.1:") for ep in listen]
+    listen = [ep.replace("tcp://[::]:", "tcp://[::1]:") for ep in listen]
+    return config, listen
+
+
+_private = itertools.count()
+
+
+class KVEventListener:
+    """Subscribes to each replica's KV events (vLLM's wire format, conveyor/kv/events.py) and hands
+    every batch to `feed(replica, events, lost)`, `lost` when its sequence number skipped some."""
+
+    def __init__(self, endpoints: list[str], topic: str, feed: Callable[[int, list, bool], None]):
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._socks = []
+        for ep in endpoints:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            if ep.startswith("tcp://[") or "::" in ep:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(ep)
+            self._socks.append(sock)
+        self._feed = feed
+        self.batches = 0   # batches handed to feed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="conveyor-kv-events-router", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgpack
+        import zmq
+
+        poller = zmq.Poller()
+        for sock in self._socks:
+            poller.register(sock, zmq.POLLIN)
+        expect: list[int | None] = [None] * len(self._socks)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    i = self._socks.index(sock)
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:   # [topic, seq (8 bytes, big-endian), msgpack([ts, events, dp_rank])]
+                            _, seq_bytes, payload = frames
+                            seq = int.from_bytes(seq_bytes, "big", signed=True)
+                            lost = expect[i] is not None and seq != expect[i]
+                            expect[i] = seq + 1
+                            _, events, _ = msgpack.unpackb(payload)
+                            self._feed(i, events, lost)
+                        except Exception:   # noqa: BLE001 - a bad batch must not stop the listener
+                            logger.exception("a KV-event batch of replica %d could not be read", i)
+                        self.batches += 1
+        finally:
+            for sock in self._socks:
+                sock.close(linger=0)
+            self._ctx.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _cache_salt(prompt: str | list[int] | dict) -> str | None:

@@ -34,16 +34,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from conveyor.routing import external_hash   # a key as the events carry it (the router reads them back)
+
 logger = logging.getLogger(__name__)
 
 MEDIUM_DEVICE = "GPU"   # the engine's KV cache (vLLM's name for it, also on a CPU-only engine)
 MEDIUM_HOST = "CPU"     # host memory holding a swapped-out request's blocks
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def external_hash(key: bytes) -> int:
-    """A prefix-cache key as the events carry it: its last 8 bytes as a big-endian unsigned int."""
-    return int.from_bytes(key[-8:], "big")
 
 
 class KVEventRecorder:
@@ -114,7 +111,7 @@ def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
     raise ValueError(f"a KV-events endpoint must be tcp://, ipc:// or inproc://, got {endpoint!r}")
 
 
-def _binds(endpoint: str) -> bool:
+def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard or local address (tcp://*:5557, ipc://, inproc://), connect to
     anything else (tcp://indexer:5557: a central subscriber that binds)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
@@ -212,7 +209,7 @@ class ZmqEventPublisher:
             pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            (pub.bind if _binds(self.endpoint) else pub.connect)(self.endpoint)
+            (pub.bind if binds(self.endpoint) else pub.connect)(self.endpoint)
             if self.replay_endpoint:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)

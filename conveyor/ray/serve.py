@@ -35,6 +35,7 @@ from typing import Any, Callable
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
+from conveyor.engine.data_parallel import replica_config
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.engine.stats import EngineStats
@@ -92,8 +93,9 @@ class EngineReplica:
         self.tag = context.replica_id.unique_id
         rank = getattr(context, "rank", None)   # Serve's replica rank (recent Serve): 0..N-1, kept by a replacement
         self.rank = int(getattr(rank, "rank", rank) or 0)
-        # The replica's rank is its data-parallel rank: KV events on endpoint port + rank, with dp_rank = rank.
-        config = replace(config, data_parallel_rank=self.rank)
+        # The replica's rank is its data-parallel rank: KV events on endpoint port + rank, with dp_rank = rank;
+        # a step trace of its own (NAME.replicaR.json).
+        config = replica_config(config, self.rank)
         if engine_process and config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
             # Ray-placed ranks use this actor's placement group, which a child process is not in
             logger.info("tensor-parallel ranks placed by Ray: the engine runs in the replica's own process")

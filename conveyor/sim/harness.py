@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from conveyor.engine.core import EngineCore
 from conveyor.engine.trace import StepTracer
+from conveyor.kv.events import KVEventRecorder
 from conveyor.request import Request
 from conveyor.routing import Router, replica_load
 from conveyor.runner.state import RunnerState
@@ -135,6 +136,9 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | 
     server's policy (conveyor/routing.py), fed the prompt's token ids and the replicas' loads.
     """
     policy = make_router(router, replicas)
+    # The prefix router learns what each replica's cache holds from its KV events, as the
+    # data-parallel server's does (handed over after each step here; published after it there).
+    recorders = [learning_events(r) for r in replicas] if policy.policy == "prefix" and len(replicas) > 1 else None
     t0 = replicas[0].clock()
     if timeline is not None:
         timeline.append(t0)
@@ -151,6 +155,8 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | 
         behind = min(busy, key=lambda i: nows[i], default=None)
         if behind is not None and nows[behind] < nxt:
             _step(replicas[behind], nows[behind], records)
+            if recorders is not None and recorders[behind].pending:
+                policy.learn(behind, recorders[behind].take())
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"the run did not finish in {max_steps} steps")
@@ -170,6 +176,14 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | 
         replica.oracle.lengths[str(index)] = spec.output_len
         replica.core.add_request(request)
     return records
+
+
+def learning_events(replica: Replica) -> KVEventRecorder:
+    """The replica's KV-event recorder (one is attached if it has none)."""
+    kv = replica.core.scheduler.kv
+    if kv.events is None:
+        kv.enable_events(KVEventRecorder(kv.block_size))
+    return kv.events
 
 
 def _step(replica: Replica, now: float, records: list[RequestRecord]) -> None:

@@ -5,6 +5,7 @@ single engine's output; the prefix router keeps a shared prefix on one replica (
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ from conveyor.engine.core import EngineDeadError
 from conveyor.engine.data_parallel import DataParallelEngine, Router
 from conveyor.engine.engine import Engine
 from conveyor.engine.stats import EngineStats
+from conveyor.routing import external_hash, prefix_keys
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.app import build_app
 
@@ -133,6 +135,41 @@ def test_prefix_router_sends_a_shared_prefix_to_one_replica(dp_server):
 
 
 @pytest.mark.slow
+def test_the_prefix_router_learns_from_the_replicas_kv_events(dp_server):
+    """A prompt run on replica 1 without the router: only replica 1's KV events can tell the router
+    it holds the prompt's blocks. The next prompt sharing them goes there, against the load."""
+    engine = dp_server.engine
+    assert engine.events is not None   # pyzmq + msgpack come with the test extra: the router subscribes
+    ids = engine.tokenizer.encode("Only replica one has read this preamble about tide pools and kelp. " * 6)
+    keys = [external_hash(k) for k in prefix_keys(ids, CONFIG.block_size, engine.router.prefix_blocks)]
+    assert len(keys) == engine.router.prefix_blocks and engine.router.owner(ids) is None
+
+    async def run(submit, request_id: str) -> int | None:
+        stream = submit(request_id)
+        owner = engine._owner.get(request_id)
+        async for _ in stream:
+            pass
+        return owner
+
+    asyncio.run(run(lambda rid: engine.replicas[1].add_request(ids + [11], GREEDY, rid), "direct-1"))
+    deadline = time.monotonic() + 30
+    while engine.router.index is None or engine.router.index.leading(1, keys) < len(keys):
+        assert time.monotonic() < deadline, "replica 1's BlockStored events did not reach the router"
+        time.sleep(0.05)
+    assert engine.router.index.leading(0, keys) == 0 and engine.router.owner(ids) is None
+    loads = engine.loads()
+    assert loads[0] <= loads[1]   # by load the next request would go to replica 0
+    hits_before = dp_server.metrics(by_replica=True).get("conveyor:prefix_cache_hits_total{replica=1}", 0)
+    held_before = engine.router.held_routed
+    routed = asyncio.run(run(lambda rid: engine.add_request({"prompt_token_ids": ids + [12]}, GREEDY, rid),
+                             "routed-1"))
+    assert routed == 1 and engine.router.held_routed == held_before + 1
+    dp_server.wait_idle()
+    hits = dp_server.metrics(by_replica=True)["conveyor:prefix_cache_hits_total{replica=1}"] - hits_before
+    assert hits >= len(keys)   # and found the blocks there (the counter counts blocks)
+
+
+@pytest.mark.slow
 def test_a_killed_replica_fails_only_its_requests_and_is_reported_down(dp_server):
     engine: DataParallelEngine = dp_server.engine
     client = dp_server.openai()
@@ -196,3 +233,15 @@ def load_gauges(text: str) -> dict[tuple[str, str], float]:
             if replica is not None:
                 out[sample.name, replica] = sample.value
     return out
+
+
+def test_each_replica_gets_its_rank_and_its_own_step_trace_file(tmp_path):
+    from conveyor.engine.data_parallel import replica_config
+
+    config = EngineConfig.from_options(step_trace=str(tmp_path / "trace.json"))
+    ranks = [replica_config(config, r) for r in (0, 1)]
+    assert [c.data_parallel_rank for c in ranks] == [0, 1]
+    assert [c.step_trace for c in ranks] == [str(tmp_path / f"trace.replica{r}.json") for r in (0, 1)]
+    alone = replica_config(config, 0, own_trace=False)   # one replica: the file the user named
+    assert alone.step_trace == config.step_trace and alone.data_parallel_rank == 0
+    assert replica_config(EngineConfig.from_options(), 1).step_trace is None

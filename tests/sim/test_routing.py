@@ -9,6 +9,7 @@ stand-ins that report stats, the simulator's are the real scheduler and KV cache
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 
@@ -21,7 +22,7 @@ from conveyor.engine.data_parallel import Router as ServerRouter
 from conveyor.engine.stats import EngineStats
 from conveyor.kv.manager import block_content, chain_hash, extra_keys
 from conveyor.request import Request
-from conveyor.routing import NoReplicaError, Router, policy_name, prefix_keys, replica_load
+from conveyor.routing import NoReplicaError, Router, external_hash, policy_name, prefix_keys, replica_load
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.costs import StepCostModel
@@ -60,11 +61,13 @@ def test_policy_names():
 
 
 class Recording(Router):
-    """The simulator's router, recording each decision: (token ids, loads, salt) -> replica."""
+    """The simulator's router, recording each decision: (token ids, loads, salt) -> replica, and in
+    `log` the decisions and the KV events it learned from, in order."""
 
     def __init__(self, *args, replicas=None, **kw):
         super().__init__(*args, **kw)
         self.calls: list[tuple[list[int], list[float | None], str | None, int]] = []
+        self.log: list[tuple] = []
         self.replicas = replicas
         self.load_checks = 0
 
@@ -74,7 +77,23 @@ class Recording(Router):
             self.load_checks += 1
         choice = super().choose(token_ids, loads, cache_salt)
         self.calls.append((list(token_ids), list(loads), cache_salt, choice))
+        self.log.append(("choose", *self.calls[-1]))
         return choice
+
+    def learn(self, replica, events):
+        self.log.append(("learn", replica, copy.deepcopy(events)))
+        super().learn(replica, events)
+
+
+def replay(log: list[tuple], router: Router) -> list[int]:
+    """The recorded decisions and events through another router: its choices."""
+    got = []
+    for entry in log:
+        if entry[0] == "learn":
+            router.learn(entry[1], entry[2])
+        else:
+            got.append(router.choose(entry[1], entry[2], entry[3]))
+    return got
 
 
 class SimReplicaClient:
@@ -108,9 +127,13 @@ def test_the_server_and_the_simulator_route_the_same_prompts_to_the_same_replica
         [r.replica for r in sorted(records, key=lambda r: r.arrival)]
     loads = [c[1] for c in rec.calls]
     assert any(a != b for a, b in loads) and any(a % 1 for a, _ in loads)   # loads varied, KV usage in them
+    # the simulated replicas' KV events reached the router, as the server's replicas' do
+    learned = [e for entry in rec.log if entry[0] == "learn" for e in entry[2]]
+    assert {e[0] for e in learned} >= {"BlockStored", "BlockRemoved"}
     server = ServerRouter("prefix", 16, balance_slack=2)
-    assert [server.choose(ids, ld, salt) for ids, ld, salt, _ in rec.calls] == [c[3] for c in rec.calls]
+    assert replay(rec.log, server) == [c[3] for c in rec.calls]
     assert 0 < server.prefix_routed == rec.prefix_routed < len(records)
+    assert 0 < server.held_routed == rec.held_routed <= rec.prefix_routed
     # least-load and round-robin alike
     for policy in ("least-load", "round-robin"):
         reps = [make_replica(CFG, 200, 16, 0, StepCostModel(), True, False) for _ in range(2)]
@@ -158,6 +181,44 @@ def test_cache_salt_keeps_prefixes_apart():
     engine.add_request({"prompt_token_ids": shared + [4], "cache_salt": "b"}, params, "b2")
     where = {rid: i for i, rep in enumerate(reps) for rid in rep.got}
     assert where["a1"] == where["a2"] and where["b1"] == where["b2"] and where["a1"] != where["b1"]
+
+
+def stored(hashes, tokens, parent=None, medium="GPU"):
+    return ["BlockStored", list(hashes), parent, list(tokens), 16, None, medium, None]
+
+
+def test_the_prefix_router_learns_what_each_replica_holds_from_its_kv_events():
+    shared = list(range(100, 164))   # four blocks of 16
+    keys = [external_hash(k) for k in prefix_keys(shared, 16, 4)]
+    r = Router("prefix", 16, balance_slack=2)
+    # replica 1 stored the prefix (a request sent to it some other way): the cache wins over the load
+    r.learn(1, [stored(keys[:2], shared[:32]), stored(keys[2:], shared[32:], keys[1])])
+    assert r.choose(shared + [1], [0, 1]) == 1 and r.held_routed == r.prefix_routed == 1
+    assert r.choose(shared + [1], [0, 3]) == 0   # ... within the balance slack only
+    r.learn(1, [["BlockRemoved", keys[1:], "GPU"]])   # evicted past the first block: held 1 vs sent 4
+    assert r.choose(shared + [2], [0, 1]) == 0       # where the 4-block prefix was last sent (just above)
+    r.learn(0, [stored(keys, shared)])
+    r.learn(1, [stored(keys, shared)])
+    assert r.choose(shared + [3], [0.5, 0]) == 1     # both hold it: the less loaded
+    r.learn(1, [["AllBlocksCleared"]])
+    assert r.choose(shared + [4], [0.5, 0]) == 0     # held by 0 only: held wins over sent at equal length
+    assert r.index.blocks(1) == 0 and r.index.blocks(0) == 4
+    # the longest held run wins; a longer prefix sent since (not stored yet) wins over a shorter held one
+    r = Router("prefix", 16, balance_slack=2)
+    r.learn(0, [stored(keys[:2], shared[:32])])
+    r.learn(1, [stored(keys[:3], shared[:48])])
+    assert r.choose(shared, [0, 1]) == 1
+    r = Router("prefix", 16, balance_slack=2)
+    assert r.choose(shared, [1, 0]) == 1              # nothing known: by load; the prefix was sent to 1
+    r.learn(0, [stored(keys[:1], shared[:16])])
+    assert r.choose(shared + [4], [0, 1]) == 1 and r.held_routed == 0
+    # a swapped-out request's blocks in host memory are not a prefix a new request can hit
+    r = Router("prefix", 16)
+    r.learn(1, [stored(keys, shared, medium="CPU")])
+    assert r.choose(shared, [0, 0.5]) == 0 and r.prefix_routed == 0
+    # stored after a clear in the same batch: held
+    r.learn(1, [["AllBlocksCleared"], stored(keys, shared)])
+    assert r.index.leading(1, keys) == 4
 
 
 def test_a_down_replica_is_skipped():
