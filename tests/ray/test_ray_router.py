@@ -76,3 +76,32 @@ def test_accepted_requests_count_until_completed():
     done()
     assert _choose(router, replicas, [7, 8]) is first   # `first`'s request finished: it is the idler one
     done_second()
+
+
+def test_deployment_options_place_cpu_and_gpu_bundles_and_serve_accepts_them():
+    """The placement bundles per replica for CPU and CUDA engines, with and without tensor
+    parallelism, as Serve's own deployment decorator validates them (no cluster, no GPU needed:
+    the options are data; whether a GPU node runs them is not checked here)."""
+    from ray import serve
+
+    from conveyor.config import EngineConfig
+    from conveyor.ray.serve import get_deployment_options
+
+    cases = [
+        (dict(torch_threads=2), [{"CPU": 2.0}], "STRICT_PACK", {"num_cpus": 2.0}),
+        (dict(device="cuda"), [{"GPU": 1.0, "CPU": 1.0}], "STRICT_PACK", {"num_cpus": 1.0, "num_gpus": 1.0}),
+        (dict(device="cuda", tensor_parallel_size=2, distributed_executor_backend="ray", torch_threads=4),
+         [{"GPU": 1.0, "CPU": 4.0}] * 2, "PACK", {"num_cpus": 4.0, "num_gpus": 1.0}),
+        (dict(tensor_parallel_size=2), [{"CPU": 1.0}] * 2, "STRICT_PACK", {"num_cpus": 1.0}),
+    ]
+    for options, bundles, strategy, actor in cases:
+        opts = get_deployment_options(EngineConfig.from_options(**options), num_replicas=2)
+        assert opts["placement_group_bundles"] == bundles and opts["placement_group_strategy"] == strategy
+        assert opts["ray_actor_options"] == actor and opts["num_replicas"] == 2
+        dep = serve.deployment(**opts)(type("Engine", (), {}))   # Serve checks the actor fits bundle 0
+        assert dep.num_replicas == 2
+    auto = get_deployment_options(EngineConfig.from_options(), autoscaling_config={"min_replicas": 1,
+                                                                                   "max_replicas": 3})
+    assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 3
+    with pytest.raises(ValueError):   # an actor that does not fit its bundle is refused by Serve itself
+        serve.deployment(**{**opts, "ray_actor_options": {"num_cpus": 8.0}})(type("Engine", (), {}))

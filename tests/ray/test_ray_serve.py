@@ -198,7 +198,6 @@ def test_each_replica_publishes_kv_events_as_its_own_dp_rank(ray_serve):
     assert sorted(found.values()) == [[False, True], [True, False]], found
 
 
-@pytest.mark.heavy
 def test_killed_replica_fails_only_its_requests_and_serve_replaces_it(ray_serve, local_server):
     from ray import serve
 
