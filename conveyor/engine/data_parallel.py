@@ -26,10 +26,10 @@ a partly streamed answer cannot be replayed invisibly); the router stops sending
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -84,8 +84,9 @@ class DataParallelEngine:
         threads = config.torch_threads or max(1, (os.cpu_count() or 1) // (replicas * config.tensor_parallel_size))
         config = replace(config, torch_threads=threads)
         listen: list[str] | None = None
+        self._event_dir: str | None = None   # the private ipc sockets' directory, removed at close
         if routing.policy_name(router) == "prefix" and replicas > 1:   # the router learns from the KV events
-            config, listen = events_for_router(config, replicas)
+            config, listen, self._event_dir = events_for_router(config, replicas)
         per_replica_waiting = None if max_waiting is None else max(1, math.ceil(max_waiting / replicas))
         with ThreadPoolExecutor(replicas) as pool:   # replicas load their models at the same time
             futures = [pool.submit(ProcessEngine, replica_config(config, i, own_trace=replicas > 1),
@@ -95,6 +96,7 @@ class DataParallelEngine:
         if any(errors):
             for r in started:
                 r.close()
+            self._stop_listening()
             raise next(e for e in errors if e is not None)
         self.replicas = started
         first = started[0]
@@ -194,6 +196,9 @@ class DataParallelEngine:
         events, self.events = getattr(self, "events", None), None
         if events is not None:
             events.close()
+        folder, self._event_dir = getattr(self, "_event_dir", None), None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _learn(self, replica: int, events: list, lost: bool) -> None:
         """A replica's batch of KV events, for the router (`lost`: batches before it were missed)."""
@@ -220,35 +225,34 @@ class DataParallelEngine:
         return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
 
-def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig, list[str] | None]:
-    """The config with the replicas' KV events on, and where this process subscribes to each replica's
-    (None: it cannot, and the prefix router goes by where it sent prefixes). Events the user
-    publishes on a bound endpoint are read there (tcp wildcards through the loopback); without an
-    endpoint, each replica publishes on a private ipc socket."""
+def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig, list[str] | None, str | None]:
+    """The config with the replicas' KV events on, where this process subscribes to each replica's
+    (None: it cannot, and the prefix router goes by where it sent prefixes) and the directory of
+    private sockets to remove at close. Events the user publishes on a bound endpoint are read there
+    (tcp wildcards through the loopback); without an endpoint, each replica publishes on an ipc
+    socket in a private temporary directory."""
     try:
         import msgpack  # noqa: F401
         import zmq  # noqa: F401
     except ImportError:
         logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
                     "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
-        return config, None
+        return config, None, None
     from conveyor.kv.events import binds, offset_endpoint
 
-    endpoint = config.kv_events_endpoint
+    endpoint, folder = config.kv_events_endpoint, None
     if endpoint is None:
-        endpoint = f"ipc://{tempfile.gettempdir()}/conveyor-kv-{os.getpid()}-{next(_private)}"
+        folder = tempfile.mkdtemp(prefix="conveyor-kv-")
+        endpoint = f"ipc://{folder}/events"
         config = replace(config, kv_events_endpoint=endpoint)
     elif not binds(endpoint) or endpoint.startswith("inproc://"):
         logger.info("KV events go to %s; the prefix router goes by where it sent prefixes", endpoint)
-        return config, None
+        return config, None, None
     listen = [offset_endpoint(endpoint, i) for i in range(replicas)]
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
         listen = [ep.replace(wildcard, "tcp://127.0.0.1:") for ep in listen]
     listen = [ep.replace("tcp://[::]:", "tcp://[::1]:") for ep in listen]
-    return config, listen
-
-
-_private = itertools.count()
+    return config, listen, folder
 
 
 class KVEventListener:

@@ -83,7 +83,9 @@ def dp_server():
     handle = ServerHandle(port, engine, server, thread)
     yield handle
     handle.stop()
+    sockets = engine._event_dir   # the replicas' private KV-event sockets (the router subscribes to them)
     engine.close()
+    assert sockets is None or not os.path.exists(sockets)   # removed with the engine
 
 
 def offline_texts(demo_model, prompts: list[str]) -> list[str]:
@@ -140,6 +142,7 @@ def test_the_prefix_router_learns_from_the_replicas_kv_events(dp_server):
     it holds the prompt's blocks. The next prompt sharing them goes there, against the load."""
     engine = dp_server.engine
     assert engine.events is not None   # pyzmq + msgpack come with the test extra: the router subscribes
+    assert os.path.isdir(engine._event_dir)   # to each replica's socket in a private directory
     ids = engine.tokenizer.encode("Only replica one has read this preamble about tide pools and kelp. " * 6)
     keys = [external_hash(k) for k in prefix_keys(ids, CONFIG.block_size, engine.router.prefix_blocks)]
     assert len(keys) == engine.router.prefix_blocks and engine.router.owner(ids) is None
