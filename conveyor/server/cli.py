@@ -72,8 +72,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="engine replicas (processes, each with its own KV cache and a share of the cores) behind "
                         "this one server")
     s.add_argument("--router", default="prefix", choices=("prefix", "least-load", "round-robin"),
-                   help="how requests are spread over the replicas: prefix sends a prompt to the replica that "
-                        "served its first KV blocks (prefix-cache hits), unless that one is much busier")
+                   help="how requests are spread over the replicas: prefix sends a prompt to the replica whose "
+                        "cache holds its first KV blocks (as the replicas' KV events say) or that was last sent "
+                        "them (prefix-cache hits), unless that one is much busier")
     s.add_argument("--ray", action="store_true",
                    help="serve on Ray Serve (needs the 'ray' extra): --data-parallel-size engine replicas placed, "
                         "health-checked and restarted by Ray, behind Conveyor's API on Serve's proxy; starts a local "
