@@ -51,6 +51,15 @@ def int8_activations_native() -> bool:
     return kernels is not None and bool(kernels.quant_int8_native())
 
 
+# Decode steps of up to this many tokens on int8-layout weights run in the fused layer loop (one
+# C++ call for all layers): below the 16 tokens from which the int8 kernel may take AMX tiles,
+# which the loop's threads do not run. Above 8 tokens the kernel makes two passes (8 + the rest)
+# per group of 16 rows; the second reads the group's few KB from L1. Measured on the AMX Xeon
+# (demo model, bf16, 256 tokens of context): 9-15 tokens 3.3-4.0 ms a step faster than the Python
+# layer loop (16.4 vs 19.9 ms at 9, 22.7 vs 26.7 at 15; docs/performance.md).
+FUSED_INT8_TOKENS = 15
+
+
 def int8_amx_tokens() -> int:
     """The fewest tokens of a step for which the int8 kernel computes 32-blocks (Q4_0, Q4_1, Q5_0,
     Q8_0) on AMX tiles here, 0 where it never does (no AMX-INT8, a compiler without it, or
@@ -272,9 +281,13 @@ class QuantLinear(nn.Module):
 
     def fused_width(self) -> int:
         """Up to how many tokens the fused decode loop (csrc/decode_layers_cpu.cpp) may run this
-        matmul: one pass of the quantized kernel, below the count where it goes dense."""
+        matmul: one pass of the quantized kernel, below the count where it goes dense; in the
+        interleaved (int8) layout up to FUSED_INT8_TOKENS, in passes of 8 whose second pass over a
+        group of 16 rows finds its bytes still in L1."""
         from conveyor.model.linear import MAX_GEMV_TOKENS
 
+        if self.x16 and not self.dense_from:
+            return FUSED_INT8_TOKENS
         return MAX_GEMV_TOKENS if not self.dense_from else min(MAX_GEMV_TOKENS, self.dense_from - 1)
 
     def extra_repr(self) -> str:

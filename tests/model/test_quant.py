@@ -19,7 +19,8 @@ import torch
 from conveyor.model.cpu_kernels import load_cpu_kernels
 from conveyor.model.gguf_loader import convert_gguf, gguf_native_weights
 from conveyor.model.loader import build_model, load_weights, read_config
-from conveyor.model.quant import BLOCK, K_SUPER_BYTES, NATIVE_BLOCK_BYTES, SUPER, QuantLinear, QuantTensor, dense_module
+from conveyor.model.quant import (BLOCK, FUSED_INT8_TOKENS, K_SUPER_BYTES, NATIVE_BLOCK_BYTES, SUPER, QuantLinear,
+                                  QuantTensor, dense_module)
 from model_testlib import conveyor_greedy, conveyor_prompt_logits, logit_atol, random_prompts
 from test_loader import _write_tiny_gguf
 
@@ -375,6 +376,30 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
     for i in range(len(prompts)):   # up to the first differing token (after it the contexts differ)
         n = next((j for j, (a, b) in enumerate(zip(got.tokens[i], want.tokens[i])) if a != b), 7) + 1
         assert (got.logits[i][:n] - want.logits[i][:n]).abs().max() <= 1e-3 * want.logits[i][:n].abs().max()
+
+
+@pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_the_fused_loop_runs_int8_steps_of_up_to_15_tokens_with_the_python_loops_bits(tiny_models, tmp_path,
+                                                                                     monkeypatch, qtype):
+    """Decode steps of 9-15 tokens on int8-layout weights take the fused C++ layer loop (two kernel
+    passes per group of rows) and give the Python layer loop's logits to the bit."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_quantized_gguf(tiny_models("llama_gqa").hf, tmp_path / "t.gguf", "llama", qtype)
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, (qtype,)))
+    assert all(m.x16 for m in model.modules() if isinstance(m, QuantLinear))
+    assert model.fused_decode_tokens == FUSED_INT8_TOKENS == 15
+    prompts = random_prompts([3 + 2 * i for i in range(13)], seed=8)   # 13 sequences decoding together
+    widths, original = [], model._fused_decode
+    monkeypatch.setattr(model, "_fused_decode", lambda x, *a: widths.append(x.shape[0]) or original(x, *a))
+    fused = conveyor_greedy(model, prompts, 6)
+    assert max(widths) == 13   # the 13-token decode steps took the fused loop
+    width, model.fused_decode_tokens = model.fused_decode_tokens, 0   # the Python layer loop
+    loop = conveyor_greedy(model, prompts, 6)
+    model.fused_decode_tokens = width
+    assert fused.tokens == loop.tokens
+    assert all(torch.equal(a, b) for a, b in zip(fused.logits, loop.logits))
 
 
 @pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy),
