@@ -379,15 +379,15 @@ def test_int8_activation_model_stays_close_to_the_dequantized_one(tiny_models, t
 
 
 @pytest.mark.skipif(KERNELS is None or not KERNELS.quant_int8_native(), reason="no AVX512-VNNI here")
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype, dtype", [("Q4_1", torch.float32), ("Q8_0", torch.bfloat16)])
 def test_the_fused_loop_runs_int8_steps_of_up_to_15_tokens_with_the_python_loops_bits(tiny_models, tmp_path,
-                                                                                     monkeypatch, qtype):
+                                                                                     monkeypatch, qtype, dtype):
     """Decode steps of 9-15 tokens on int8-layout weights take the fused C++ layer loop (two kernel
     passes per group of rows) and give the Python layer loop's logits to the bit."""
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
     path = _tiny_quantized_gguf(tiny_models("llama_gqa").hf, tmp_path / "t.gguf", "llama", qtype)
     cfg = read_config(convert_gguf(path, weights=False))
-    model = build_model(cfg, gguf_native_weights(path, cfg, (qtype,)))
+    model = build_model(cfg, gguf_native_weights(path, cfg, (qtype,)), dtype=dtype, int8_activations=True)
     assert all(m.x16 for m in model.modules() if isinstance(m, QuantLinear))
     assert model.fused_decode_tokens == FUSED_INT8_TOKENS == 15
     prompts = random_prompts([3 + 2 * i for i in range(13)], seed=8)   # 13 sequences decoding together
