@@ -146,8 +146,9 @@ class StepCostModel:
 
     def after_prefill_time(self, prefill_tokens: int, k: int) -> float:
         """Extra seconds of the k-th (from 0) decode-only step after a step that carried
-        `prefill_tokens` prefill tokens (0 without a measured transition)."""
-        if not self.after_prefill:
+        `prefill_tokens` prefill tokens (0 without a measured transition, and for k < 0: a step
+        that is not such a decode step, as ``AfterPrefill.advance`` reports it)."""
+        if not self.after_prefill or k < 0:
             return 0.0
         x = min(max(prefill_tokens, self.after_prefill_tokens[0]), self.after_prefill_tokens[-1])
         weights = hat_weights(self.after_prefill_tokens, x)
@@ -232,7 +233,7 @@ class AfterPrefill:
         ``after_prefill_time``), the state advanced."""
         last, since = self.advance(prefill_tokens, tokens)
         after = getattr(cost, "after_prefill_time", None)
-        return after(last, since) if since >= 0 and after is not None else 0.0
+        return after(last, since) if after is not None else 0.0
 
 
 def hat_weights(knots: list[int], x: float) -> list[float]:

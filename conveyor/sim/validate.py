@@ -115,7 +115,7 @@ def _label(lo: int, hi: int) -> str:
 
 def after_prefill(cost: StepCostModel, step: TracedStep) -> float:
     """The model's extra time for a decode step that follows a prefill chunk (cost.py, AfterPrefill)."""
-    return cost.after_prefill_time(step.last_prefill, step.since_prefill) if step.since_prefill >= 0 else 0.0
+    return cost.after_prefill_time(step.last_prefill, step.since_prefill)
 
 
 def predicted(cost: StepCostModel, step: TracedStep) -> float:

@@ -208,6 +208,7 @@ def test_decode_steps_after_a_prefill_chunk_pay_the_measured_transition():
     assert cost.after_prefill_time(256, 0) == 0.004 and cost.after_prefill_time(1000, 3) == 0.001   # flat past
     assert cost.after_prefill_time(136, 0) == pytest.approx(0.0025)   # halfway between the sizes
     assert cost.after_prefill_time(256, 4) == 0.0 and PROFILE.after_prefill_time(256, 0) == 0.0
+    assert cost.after_prefill_time(256, -1) == 0.0   # not a decode step after a prefill (AfterPrefill.advance)
     # the state: decode-only steps counted from the last step that carried prefill tokens
     state = AfterPrefill()
     extras = [state.extra(cost, p, t) for p, t in [(0, 3), (256, 256), (0, 4), (0, 4), (16, 20), (0, 2), (0, 2),
