@@ -128,26 +128,31 @@ def simulate_burst(profile_path: Path, replicas: int, dtype: str, trace: Path, o
     return {k: s[k] for k in ("output_tok_s", "p50_ttft_s", "p50_tpot_s") if k in s}
 
 
-def corrected_by(profile_path: Path, step_trace: Path, like: Path | None = None) -> tuple[Path, dict]:
+def calibrated(profile_path: Path, step_trace: Path):
     """The profile corrected by the real server's step trace (`conveyor simulate --validate TRACE
-    --calibrate`: a factor per knot and the gap between steps, fitted on alternate runs of steps);
-    with `like`, the profile at `like` given the correction fitted here (same knots: the same model)."""
+    --calibrate`: a factor per knot and the gap between steps, fitted on alternate runs of steps),
+    and the fit's report."""
     from conveyor.engine.trace import StepTracer
     from conveyor.sim.cost import StepCostModel
     from conveyor.sim.validate import calibrate
 
     corrected, report = calibrate(StepTracer.load(step_trace), StepCostModel.load(profile_path))
-    path = profile_path.with_name(f"{profile_path.stem}-corrected.json")
-    if like is not None:
-        target = StepCostModel.load(like)
-        if list(target.knots) != list(corrected.knots):
-            raise ValueError(f"{like} and {profile_path} have different knots: the correction does not carry over")
-        corrected = replace(target, decode_scales=corrected.decode_scales, prefill_scales=corrected.prefill_scales,
-                            between_steps=corrected.between_steps)
-        path = like.with_name(f"{like.stem}-corrected-like-{profile_path.stem}.json")
-    corrected.save(path)
-    return path, {"between_steps_ms": report["between_steps_ms"],
-                  "held_out_step_error": {k: report[k]["all"]["error"] for k in ("before", "after")}}
+    return corrected, {"between_steps_ms": report["between_steps_ms"],
+                       "held_out_step_error": {k: report[k]["all"]["error"] for k in ("before", "after")}}
+
+
+def with_correction(profile_path: Path, corrected, name: str) -> Path:
+    """The profile at `profile_path` given `corrected`'s correction (same knots: the same model), saved as `name`."""
+    from conveyor.sim.cost import StepCostModel
+
+    target = StepCostModel.load(profile_path)
+    if list(target.knots) != list(corrected.knots):
+        raise ValueError(f"{profile_path} has other knots than the corrected profile: "
+                         "the correction does not carry over")
+    path = profile_path.with_name(name)
+    replace(target, decode_scales=corrected.decode_scales, prefill_scales=corrected.prefill_scales,
+            between_steps=corrected.between_steps).save(path)
+    return path
 
 
 def predict(dtype: str, setups: list[str], out: Path, step_trace: Path | None) -> dict:
@@ -160,8 +165,9 @@ def predict(dtype: str, setups: list[str], out: Path, step_trace: Path | None) -
     alone = measure_profiles(dtype, half, 1, out)[0]
     beside = measure_profiles(dtype, half, CORES // half, out)[0]
     if step_trace is not None:
-        one_corrected, fit = corrected_by(one, step_trace)
-        beside_corrected, _ = corrected_by(one, step_trace, like=beside)
+        corrected, fit = calibrated(one, step_trace)
+        one_corrected = with_correction(one, corrected, f"{one.stem}-corrected.json")
+        beside_corrected = with_correction(beside, corrected, f"{beside.stem}-corrected-like-{one.stem}.json")
         pred["calibration"] = fit
         print("correction from the DP1 server's step trace:", fit, flush=True)
     for setup in setups:
