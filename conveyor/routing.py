@@ -212,8 +212,9 @@ class Router:
     def owner(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
         """The replica recorded for the prompt's longest known prefix (None: none known). Read only."""
         for key in reversed(prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)):
-            if external_hash(key) in self._owner:
-                return self._owner[external_hash(key)]
+            owner = self._owner.get(external_hash(key))
+            if owner is not None:
+                return owner
         return None
 
     def forget_replica(self, replica: int) -> None:
