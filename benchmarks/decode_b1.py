@@ -19,6 +19,11 @@ loaded first and measured in the same rounds. Variants of each engine, switched 
 The issue's bar: step <= 1.5x the floor.
 
     python benchmarks/decode_b1.py [--dtypes float32,bfloat16] [--quantization none,auto] [--bf16-kernels]
+                                   [--name NAME]
+
+As on an AVX2-only CPU (the kernels built without AVX-512, MKL, oneDNN and ATen held to AVX2):
+``CONVEYOR_CPU_FLAGS="avx2 fma f16c" MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2 python benchmarks/decode_b1.py --dtypes float32 --name decode_b1_avx2``.
 
 ``--bf16-kernels``: bf16 on the GGUF as stored twice, on the int8 kernel and on the bf16-rounding
 kernel (``CONVEYOR_QUANT_BF16``; the CPU's flags choose one of them by default), in the same rounds.
@@ -109,6 +114,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none,auto", help="GGUF weights dequantized (none), as stored (auto)")
     ap.add_argument("--bf16-kernels", action="store_true",
                     help="bf16 as stored on both quantized kernels (int8 and bf16-rounding), in the same rounds")
+    ap.add_argument("--name", default="decode_b1", help="results file name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     x = torch.ones((1 << 30) // 4)
     x.sum()
@@ -151,7 +157,7 @@ def main() -> None:
             f"{n} {v['step_ms']:.1f} ms = {v['ratio']:.2f}x" for n, v in r["variants"].items()) +
         (f" ({r['speedup_vs_dense']:.2f}x faster than dense)" if "speedup_vs_dense" in r else "")
         for d, r in rows.items())
-    save("decode_b1", {"rounds": ROUNDS, "rows": rows}, line)
+    save(args.name, {"rounds": ROUNDS, "rows": rows}, line)
 
 
 if __name__ == "__main__":

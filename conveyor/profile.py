@@ -14,6 +14,7 @@ with non-negative coefficients, and saved as JSON with the machine and model it 
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import statistics
@@ -52,7 +53,9 @@ def machine() -> dict:
             "flags": [f for f in KEY_FLAGS if f in flags], "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "paths": decisions()["decisions"]}
+            "paths": decisions()["decisions"],
+            # The kernels built and chosen as on a CPU with only these flags (probe_cache.cpu_info).
+            **({"flags_restricted_to": os.environ["CONVEYOR_CPU_FLAGS"]} if "CONVEYOR_CPU_FLAGS" in os.environ else {})}
 
 
 class _Plans:

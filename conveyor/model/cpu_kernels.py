@@ -23,6 +23,8 @@ def _cpu_flags() -> list[str]:
 
     flags = cpu_info()[1]
     out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
+    if "avx_vnni" in flags and "avx2" in flags:
+        out += ["-mavxvnni"]
     if "avx512_bf16" in flags and "avx512f" in flags:
         out += ["-mavx512bf16", "-mavx512bw", "-mavx512vl"]
     if "avx512_vnni" in flags and "avx512bw" in flags:
@@ -69,7 +71,7 @@ def load_cpu_kernels():
 
         _put_ninja_on_path()
 
-        module = load(name="conveyor_cpu_kernels", sources=[str(p) for p in _SOURCES],
+        module = load(name=_module_name(), sources=[str(p) for p in _SOURCES],
                       extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(), _headers_flag()],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
@@ -78,6 +80,18 @@ def load_cpu_kernels():
     # AMX tiles for the int8 kernel's large steps (the same bits as VNNI): off to compare.
     module.set_int8_amx(os.environ.get("CONVEYOR_INT8_AMX", "auto") != "off")
     return module
+
+
+def _module_name() -> str:
+    """The extension's name: with $CONVEYOR_CPU_FLAGS (probe_cache.cpu_info) a build of its own per
+    flag set, so that it neither replaces the machine's full build in torch's cache nor is loaded in
+    its place."""
+    import hashlib
+
+    allowed = os.environ.get("CONVEYOR_CPU_FLAGS")
+    if allowed is None:
+        return "conveyor_cpu_kernels"
+    return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:8]
 
 
 def _headers_flag() -> str:

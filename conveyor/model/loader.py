@@ -265,9 +265,9 @@ def _return_freed_memory() -> None:
 
 def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tuple[str, ...]:
     """The GGUF types of this file computed as stored here (empty: dequantize everything). `auto`
-    only where the kernels have their vector paths (AVX-512); asked for, anywhere they build. K-quants
-    only under `auto` on AVX512-VNNI: they have only the
-    int8 kernel (a bf16 model's activations are rounded to int8 there too)."""
+    only where the kernels have their vector paths (the int8 kernel: AVX512-VNNI or AVX2; the others:
+    AVX-512); asked for, anywhere they build. K-quants only under `auto` where the int8 kernel runs:
+    they have only that kernel (a bf16 model's activations are rounded to int8 there too)."""
     from conveyor.model.gguf_loader import gguf_tensor_types
     from conveyor.model.probe_cache import cpu_info
     from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
@@ -284,9 +284,9 @@ def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tup
     if types and not native_available(device, dtype):
         log.info("GGUF types %s dequantized at load: the quantized kernels do not run on %s/%s", types, device, dtype)
         return ()
-    if types and auto and "avx512f" not in cpu_info()[1]:
-        # Without AVX-512 the kernels are scalar loops, slower than a dequantized model on MKL.
-        log.info("GGUF types %s dequantized at load: no AVX-512 here (--quantization weight-only forces "
-                 "the scalar quantized kernels)", types)
+    if types and auto and not int8_activations_native() and "avx512f" not in cpu_info()[1]:
+        # Without AVX-512 or AVX2 the kernels are scalar loops, slower than a dequantized model on MKL.
+        log.info("GGUF types %s dequantized at load: no AVX-512 or AVX2 here (--quantization weight-only "
+                 "forces the scalar quantized kernels)", types)
         return ()
     return types

@@ -56,9 +56,15 @@ def _first_processor() -> dict[str, str]:
 
 
 def cpu_info() -> tuple[str, set[str]]:
-    """(model name, flags) from /proc/cpuinfo; ("unknown", set()) where there is none."""
+    """(model name, flags) from /proc/cpuinfo; ("unknown", set()) where there is none. With
+    ``$CONVEYOR_CPU_FLAGS`` (a list of flags, e.g. "avx2 fma f16c") only those of the CPU's flags:
+    the kernels are then built for, and every feature-based choice made as on, a CPU that has no
+    more (to run the AVX2 paths on an AVX-512 machine, or to build for the least CPU of a fleet)."""
     fields = _first_processor()
-    return fields.get("model name") or "unknown", set(fields.get("flags", "").split())
+    flags = set(fields.get("flags", "").split())
+    if (allowed := os.environ.get("CONVEYOR_CPU_FLAGS")) is not None:
+        flags &= set(allowed.replace(",", " ").split())
+    return fields.get("model name") or "unknown", flags
 
 
 def cpu_family() -> str:

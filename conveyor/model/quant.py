@@ -5,7 +5,8 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
 (fp32). Which kernel, by the activations' dtype (docs/models.md):
 
-- fp32 and bf16 on CPUs with AVX512-VNNI (``int8_activations_for``): the blocks
+- fp32 and bf16 on CPUs with AVX512-VNNI or AVX2 (``int8_activations_for``; AVX2's path gives
+  VNNI's bits): the blocks
   reordered once into 16-row groups (``for_int8``, the same bytes) and int8 dot products, the
   activations split per block into two int8 terms; every step size, so a token's numbers do not
   depend on its batch (on AMX-INT8 CPUs steps of 16+ tokens multiply 32-blocks on AMX tiles, the
@@ -16,7 +17,7 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
   ``DENSE_COPY_MEMORY_SHARE`` of memory) or a weight widened per call;
 - otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
-K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI),
+K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI, AVX2),
 for fp32 and bf16 models. Other GGUF types (F16, Q5_1, ...) are dequantized at load as with
 ``--quantization none``, which dequantizes everything to ``--dtype`` (the pre-existing path, cached
 on disk).
@@ -39,14 +40,15 @@ QUANTIZATIONS = ("auto", "weight-only", "none")   # what load_model takes (confi
 NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}   # bytes per block of 32 weights
 BLOCK = 32
 # K-quants: bytes per super-block of 256 weights. Computed as stored only with int8 activations (the
-# x16 layout, AVX512-VNNI); elsewhere they are dequantized at load.
+# x16 layout, AVX512-VNNI or AVX2); elsewhere they are dequantized at load.
 K_SUPER_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 SUPER = 256
 
 
 def int8_activations_native() -> bool:
-    """Whether the int8-activation kernel runs on int8 dot products here (AVX512-VNNI): a CPU
-    feature, so the same command always chooses the same numerics on a machine."""
+    """Whether the int8-activation kernel runs on int8 dot products here (AVX512-VNNI, or AVX2's
+    vpmaddubsw with the same integer sums and bits): a CPU feature, so the same command always
+    chooses the same numerics on a machine."""
     kernels = _kernels()
     return kernels is not None and bool(kernels.quant_int8_native())
 
@@ -72,7 +74,7 @@ def int8_amx_tokens() -> int:
 def int8_activations_for(dtype: torch.dtype) -> bool:
     """Whether a model in `dtype` multiplies its quantized 32-blocks with int8 activations (the int8
     kernel at every step size), by CPU features only, so a restart never changes the numbers: fp32
-    and bf16 wherever the CPU has int8 dot products (AVX512-VNNI).
+    and bf16 wherever the CPU has int8 dot products (AVX512-VNNI, AVX2).
 
     bf16 on AMX CPUs took the bf16-rounding kernel (weights rounded to bf16) with a dense bf16 copy
     for large steps until 2026-12-05; measured there on the demo model (docs/models.md): the int8

@@ -160,3 +160,22 @@ def test_model_takes_prepacking_per_shape(tiny_models, monkeypatch):
     assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.o_proj.packed is None
     assert layer.mlp.gate_up_proj.packed is None and model.cpu_lm_head.packed is None
     assert (cfg.hidden_size, cfg.vocab_size) in asked and len(set(asked)) == len(asked) >= 4
+
+
+def test_restricted_cpu_flags_build_and_choose_as_on_the_lesser_cpu(monkeypatch):
+    """CONVEYOR_CPU_FLAGS keeps only the named flags of the CPU's (never adds one): the kernels are
+    then built for those (a module of their own) and every feature-based choice follows, e.g. no
+    AVX512-BF16 -> dtype "auto" is fp32, and the probes are remembered under another machine key."""
+    from conveyor.model import cpu_kernels
+
+    model, flags = probe_cache.cpu_info()
+    key = probe_cache.machine_key()
+    monkeypatch.setenv("CONVEYOR_CPU_FLAGS", "avx2, fma f16c no_such_flag")
+    assert probe_cache.cpu_info() == (model, flags & {"avx2", "fma", "f16c"})
+    assert set(cpu_kernels._cpu_flags()) == {f"-m{f}" for f in flags & {"avx2", "fma", "f16c"}}
+    assert cpu_kernels._module_name().startswith("conveyor_cpu_kernels_")
+    assert cpu_auto_dtype(dtype_mod.cpu_flags())[0] == "float32"
+    if flags - {"avx2", "fma", "f16c"}:
+        assert probe_cache.machine_key() != key
+    monkeypatch.delenv("CONVEYOR_CPU_FLAGS")
+    assert cpu_kernels._module_name() == "conveyor_cpu_kernels"

@@ -449,9 +449,10 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
 
 
 def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):
-    """Without AVX-512 the kernels are scalar loops: `auto` then dequantizes at load, while
-    `weight-only` still asks for the blocks as stored."""
-    from conveyor.model import loader, probe_cache
+    """Without AVX-512 and without the int8 kernel's vector paths (AVX512-VNNI or AVX2) the kernels
+    are scalar loops: `auto` then dequantizes at load, while `weight-only` still asks for the blocks
+    as stored. With the int8 kernel (an AVX2 CPU: tests/model/test_quant_avx2.py) they stay."""
+    from conveyor.model import loader, probe_cache, quant
     from conveyor.model.loader import ModelNotFoundError, demo_model_path
 
     try:
@@ -459,9 +460,12 @@ def test_auto_keeps_blocks_only_where_the_kernels_are_vectorized(monkeypatch):
     except ModelNotFoundError as e:
         pytest.skip(str(e))
     model, flags = probe_cache.cpu_info()
-    if "avx512f" in flags:
+    if "avx512f" in flags or quant.int8_activations_native():
         assert loader._native_types(path, "cpu", torch.float32, None, True) == ("Q4_1", "Q8_0")
     monkeypatch.setattr(probe_cache, "cpu_info", lambda: (model, flags - {"avx512f"}))
+    monkeypatch.setattr(quant, "int8_activations_native", lambda: True)   # AVX2
+    assert loader._native_types(path, "cpu", torch.float32, None, True) == ("Q4_1", "Q8_0")
+    monkeypatch.setattr(quant, "int8_activations_native", lambda: False)   # neither
     assert loader._native_types(path, "cpu", torch.float32, None, True) == ()
     assert loader._native_types(path, "cpu", torch.float32, None, False) == ("Q4_1", "Q8_0")
     assert loader._native_types(path, "cpu", torch.float32, object(), False) == ()   # tensor parallel

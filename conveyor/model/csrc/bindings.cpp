@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("qembedding", &qembedding, "rows of a GGUF-quantized table (an embedding lookup), widened");
     m.def("qrepack", &qrepack, "a GGUF-quantized weight in the x16 layout of the int8 (AVX512-VNNI) kernel");
     m.def("krepack", &krepack, "a GGUF K-quant weight (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) in the 3-D x16 layout of the int8 kernel");
-    m.def("quant_int8_native", &quant_int8_native, "whether the x16 layout runs on AVX512-VNNI here");
+    m.def("quant_int8_native", &quant_int8_native, "whether the x16 layout runs on int8 dot products here (AVX512-VNNI or AVX2)");
     m.def("int8_amx", &int8_amx, "whether steps of int8_amx_tokens() tokens or more run the x16 layout on AMX tiles here");
     m.def("set_int8_amx", &set_int8_amx, "AMX tiles for the x16 layout's large steps on or off (the same results either way)");
     m.def("int8_amx_tokens", &int8_amx_tokens, "the fewest tokens of a step the x16 layout runs on AMX tiles");

@@ -24,7 +24,9 @@
 
 namespace {
 
-using conveyor::load16;
+#if defined(__AVX512F__)
+using conveyor::load16;   // (AVX-512 only: without it the kernels build their scalar loops)
+#endif
 using conveyor::softmax_rows;
 using conveyor::widen;
 

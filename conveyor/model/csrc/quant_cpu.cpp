@@ -380,6 +380,23 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(x0)), _mm512_reduce_max_ps(_mm512_abs_ps(x1)));
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+#elif defined(__AVX2__) && defined(__FMA__)
+    // x[0..8), x[8..16), x[16..24), x[24..32); the sum in _mm512_reduce_add_ps's order (halves of
+    // x0 + x1, then of that, ...), so that X.sum has the AVX-512 path's bits.
+    __m256 xv[4];
+    for (int i = 0; i < 4; ++i) xv[i] = _mm256_loadu_ps(xb + 8 * i);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, xv[0]), _mm256_andnot_ps(sign, xv[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, xv[2]), _mm256_andnot_ps(sign, xv[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+    __m256 lo16 = _mm256_add_ps(xv[0], xv[2]), hi16 = _mm256_add_ps(xv[1], xv[3]);
+    asm("" : "+x"(lo16), "+x"(hi16));   // -ffast-math would otherwise sum (xv2 + xv3) + (xv0 + xv1)
+    const __m256 s8 = _mm256_add_ps(hi16, lo16);
+    const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+    const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    const float sum = _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
 #else
     float amax = 0.f, sum = 0.f;
     for (int i = 0; i < kBlock; ++i) {
@@ -412,6 +429,31 @@ inline void quantize_block(const float* xb, QuantX& X, int64_t r) {
     }
     X.qsum[r] = _mm512_reduce_add_epi32(qs);
     X.qsum2[r] = _mm512_reduce_add_epi32(q2s);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vd = _mm256_set1_ps(d), vid = _mm256_set1_ps(id), vid2 = _mm256_set1_ps(id2);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i v[4], v2[4];
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], vid));
+        const __m256 rem = _mm256_sub_ps(xv[i], _mm256_mul_ps(vd, _mm256_cvtepi32_ps(v[i])));
+        v2[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(rem, vid2))));
+    }
+    // 32 int32 lanes (all within +-127) to 32 bytes in order: packs interleave 128-bit lanes.
+    auto bytes = [](const __m256i (&w)[4]) {
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+        return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    };
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2), bytes(v2));
+    auto hsum = [](__m256i a) {
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+        return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+    };
+    X.qsum_lo[r] = hsum(_mm256_add_epi32(v[0], v[1]));
+    X.qsum2_lo[r] = hsum(_mm256_add_epi32(v2[0], v2[1]));
+    X.qsum[r] = X.qsum_lo[r] + hsum(_mm256_add_epi32(v[2], v[3]));
+    X.qsum2[r] = X.qsum2_lo[r] + hsum(_mm256_add_epi32(v2[2], v2[3]));
 #else
     int32_t qsum = 0, qsum2 = 0;
     for (int i = 0; i < kBlock; ++i) {
@@ -479,8 +521,15 @@ inline void with_quantized(const float* x, int64_t M, int64_t K, F&& f) {
     }
 }
 
+// A token's scales of one block (QuantX's d, d2, sum, qsum, qsum2 at its row r).
+struct BlockScales {
+    float d, d2, sum;
+    int32_t qsum, qsum2;
+};
+inline BlockScales scales_at(const QuantX& X, int64_t r) { return {X.d[r], X.d2[r], X.sum[r], X.qsum[r], X.qsum2[r]}; }
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kHaveVnni = true;
+constexpr bool kInt8Vector = true;
 
 // A group's 16 output rows of M tokens (lane j: row n0 + j), plus the bias, into y.
 template <int M, typename T>
@@ -531,13 +580,6 @@ inline void block_codes(const uint8_t* cp, __m512i (&codes)[8]) {
         }
     }
 }
-
-// A token's scales of one block (QuantX's d, d2, sum, qsum, qsum2 at its row r).
-struct BlockScales {
-    float d, d2, sum;
-    int32_t qsum, qsum2;
-};
-inline BlockScales scales_at(const QuantX& X, int64_t r) { return {X.d[r], X.d2[r], X.sum[r], X.qsum[r], X.qsum2[r]}; }
 
 // A token's term of one block for a group's 16 rows (lane j: row j), added to acc: a, a2 the
 // exact int32 dot products of the codes with q, q2. Whichever unit computed a and a2 (VNNI, AMX),
@@ -785,8 +827,177 @@ void x16_amx(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N,
 constexpr bool kHaveAmx = false;
 bool amx_permitted() { return false; }
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- AVX2 (no AVX-512): the same int32 dot products, 8 rows at a time -------------------------
+// A group's 16 rows run as two halves of 8 (rows 8h..8h+7: bytes 32h..32h+31 of every 64-byte chunk,
+// scales 8h..8h+7), each over the whole K (the second half's bytes come from L1/L2). AVX2 has no
+// u8 x s8 dot product into int32: _mm256_maddubs_epi16 multiplies codes by activations and adds
+// pairs into int16 (saturating), _mm256_madd_epi16 by ones adds pairs of those into int32. The
+// int16 sums are exact while they fit: a pair is at most 2 x 127 x the largest code, so up to
+// 32767 / (254 x max code) chunks are summed in int16 before widening (codes of up to 5 bits: all
+// 4 chunks of a half-block; Q6_K's 6 bits: 2). Q8_0's codes (0..255) would overflow a pair: they run as
+// signed weights w = code - 128 with llama.cpp's sign trick (|w| x sign(w) x), at most 2 x 128 x 127.
+// The int32 sums are the VNNI path's, and they are scaled by the same operations lane by lane, so
+// each output is the VNNI kernel's to the bit (tests/model/test_quant_avx2.py).
+// With AVX-VNNI (the VEX-encoded vpdpbusd of Alder Lake, Sierra Forest, Zen 5 and later Xeons) the
+// dot products run as on AVX512-VNNI, 8 lanes wide: no int16 step, Q8_0's codes unsigned.
+constexpr bool kInt8Vector = true;
+constexpr bool kHaveAmx = false;
+bool amx_permitted() { return false; }
+#if defined(__AVXVNNI__)
+constexpr bool kSignedQ8 = false;
 #else
-constexpr bool kHaveVnni = false;
+constexpr bool kSignedQ8 = true;   // Q8_0 as signed weights, the sign trick (vpmaddubsw would saturate)
+#endif
+
+// Chunks summed in int16 before widening, for codes of at most `max_code`.
+constexpr int int16_chunks(int max_code) { return 32767 / (254 * max_code) >= 4 ? 4 : 32767 / (254 * max_code); }
+
+// Sum over chunks [t0, t0 + 4) of a half's 8 rows (codes) against a token's 4-byte groups xw:
+// int32 lanes, exact. Signed: codes are signed weights (Q8_0) and mags their magnitudes, the sign
+// trick applies (mags is read only then).
+template <int Chunks, bool Signed = false>
+inline __m256i dot_quad8(const __m256i* codes, const __m256i* mags, const int32_t* xw, int t0) {
+    __m256i sum = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+    static_assert(!Signed, "AVX-VNNI multiplies unsigned codes");
+    for (int c = t0; c < t0 + 4; ++c) sum = _mm256_dpbusd_avx_epi32(sum, codes[c], _mm256_set1_epi32(xw[c]));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = t0; t < t0 + 4; t += Chunks) {
+        __m256i s16 = _mm256_setzero_si256();
+        for (int c = t; c < t + Chunks; ++c) {
+            const __m256i x = _mm256_set1_epi32(xw[c]);
+            s16 = _mm256_add_epi16(s16, Signed ? _mm256_maddubs_epi16(mags[c], _mm256_sign_epi8(x, codes[c]))
+                                               : _mm256_maddubs_epi16(codes[c], x));
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s16, ones));
+    }
+#endif
+    return sum;
+}
+
+// A 64-byte chunk's half h (rows 8h..8h+7).
+inline __m256i chunk_half(const uint8_t* chunk, int h) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
+}
+// 8 fp16 values (rows 8h..8h+7 of a 16-row array of fp16 at p) as fp32 lanes.
+inline __m256 halves8(const uint8_t* p, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+}
+// Lanes where `bits` has `bit` set: `add` added to codes (a fifth or third code bit), else codes.
+inline __m256i add_where(__m256i codes, __m256i bits, __m256i bit, __m256i add) {
+    return _mm256_add_epi8(codes, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, bit), bit), add));
+}
+
+// A half's 8 output rows of M tokens (lane j: row n0 + j), plus the bias, into y.
+template <int M, typename T>
+inline void store_half(const __m256 (&acc)[M], const T* bias, T* y, int64_t ldy, int64_t m0, int64_t n0) {
+    alignas(32) float out[8];
+    for (int m = 0; m < M; ++m) {
+        _mm256_store_ps(out, acc[m]);
+        T* ym = y + (m0 + m) * ldy + n0;
+        for (int j = 0; j < 8; ++j) narrow(out[j] + (bias ? widen(bias[n0 + j]) : 0.f), ym + j);
+    }
+}
+
+// f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
+template <typename F>
+inline void group_passes(int64_t N, int64_t M, F&& f) {
+    conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+            token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, g); });
+    });
+}
+
+// A block's codes for half h of a group as 8 vectors (vector t: in lane j row 8h + j's weights
+// 4t..4t+3); Q8_0's as signed weights (kSignedQ8).
+template <int QT>
+inline void block_codes8(const uint8_t* cp, int h, __m256i (&codes)[8]) {
+    if constexpr (QT == kQ8_0) {
+        const __m256i flip = _mm256_set1_epi8(kSignedQ8 ? (char)0x80 : 0);
+        for (int t = 0; t < 8; ++t) codes[t] = _mm256_xor_si256(chunk_half(cp + 64 * t, h), flip);
+    } else {
+        const __m256i nib = _mm256_set1_epi8(0x0F);
+        for (int c = 0; c < 4; ++c) {
+            const __m256i raw = chunk_half(cp + 64 * c, h);
+            codes[c] = _mm256_and_si256(raw, nib);
+            codes[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        }
+        if constexpr (QT == kQ5_0) {   // as block_codes (VNNI): bits 4c..4c+3 of a row's word to bit 4 of bytes 0..3
+            const __m256i qh = chunk_half(cp + 64 * 4, h);
+            const __m256i four = _mm256_set1_epi32(0xF), spread = _mm256_set1_epi32(0x00204081),
+                          ones = _mm256_set1_epi32(0x01010101);
+            for (int t = 0; t < 8; ++t) {
+                const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * t), four);
+                codes[t] = _mm256_or_si256(codes[t], _mm256_slli_epi32(
+                                                         _mm256_and_si256(_mm256_mullo_epi32(bits, spread), ones), 4));
+            }
+        }
+    }
+}
+
+// block_term (VNNI) for 8 rows: a, a2 the exact dot products (Q8_0's of signed weights: centred).
+template <int QT>
+inline __m256 block_term8(__m256i a, __m256i a2, const BlockScales& x, __m256 dw, __m256 mw, __m256 acc) {
+    constexpr int off = QT == kQ8_0 && kSignedQ8 ? 0 : code_zero(QT);
+    if constexpr (off != 0) {
+        a = _mm256_sub_epi32(a, _mm256_set1_epi32(off * x.qsum));
+        a2 = _mm256_sub_epi32(a2, _mm256_set1_epi32(off * x.qsum2));
+    }
+    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(x.d2),
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(x.d)));
+    acc = _mm256_fmadd_ps(v, dw, acc);
+    if constexpr (QT == kQ4_1) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.sum), acc);
+    return acc;
+}
+
+// One group of 16 output rows for M tokens, half by half.
+template <int QT, int M, typename T>
+inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
+                      int64_t n0) {
+    constexpr int hdr = header_bytes(QT);
+    constexpr int chunks = QT == kQ8_0 ? 1 : int16_chunks(QT == kQ5_0 ? 31 : 15);
+    const int64_t K = nb * kBlock;
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = wg + b * kRows * QT;
+            for (int l = 0; l < kRows * QT; l += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(blk) + (M <= 4 ? 32 : 8) * kRows * QT + l,
+                             M <= 4 ? _MM_HINT_T1 : _MM_HINT_T0);
+            const __m256 dw = halves8(blk, h);
+            const __m256 mw = QT == kQ4_1 ? halves8(blk + 2 * kRows, h) : _mm256_setzero_ps();
+            __m256i codes[8], mags[8];
+            block_codes8<QT>(blk + kRows * hdr, h, codes);
+            constexpr bool sg = QT == kQ8_0 && kSignedQ8;
+            if constexpr (sg)   // once per block, not per token
+                for (int t = 0; t < 8; ++t) mags[t] = _mm256_abs_epi8(codes[t]);
+            for (int m = 0; m < M; ++m) {
+                const int64_t r = (m0 + m) * nb + b;
+                const int32_t* xw = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
+                const int32_t* xw2 = reinterpret_cast<const int32_t*>(X.q2.data() + (m0 + m) * K + b * kBlock);
+                const __m256i a = _mm256_add_epi32(dot_quad8<chunks, sg>(codes, mags, xw, 0),
+                                                   dot_quad8<chunks, sg>(codes, mags, xw, 4));
+                const __m256i a2 = _mm256_add_epi32(dot_quad8<chunks, sg>(codes, mags, xw2, 0),
+                                                    dot_quad8<chunks, sg>(codes, mags, xw2, 4));
+                acc[m] = block_term8<QT>(a, a2, scales_at(X, r), dw, mw, acc[m]);
+            }
+        }
+        store_half<M>(acc, bias, y, ldy, m0, n0 + 8 * h);
+    }
+}
+
+template <int QT, typename T>
+void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
+    const int64_t nb = K / kBlock, gbytes = nb * kRows * QT;
+    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
+        x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
+    });
+}
+#else
+constexpr bool kInt8Vector = false;
 constexpr bool kHaveAmx = false;
 bool amx_permitted() { return false; }
 #endif
@@ -847,6 +1058,8 @@ void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if (use_amx(M)) x16_amx<QT, T>(X, M, K, w, info.N, bias, y, ldy);
         else x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #else
         x16_portable<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #endif
@@ -1355,6 +1568,140 @@ void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t 
         kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2: kx16_group (VNNI) for half h of a group (rows 8h..8h+7), the same sums and operations lane
+// by lane (see x16_group's AVX2 version).
+template <int KT, int M, typename T>
+inline void kx16_half(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* wg, int h, const T* bias, T* y,
+                      int64_t ldy, int64_t n0) {
+    const int64_t K = ns * kSuper, nb = K / kBlock;
+    constexpr int chunks = int16_chunks(KT == kQ6_K ? 63 : KT == kQ5_K ? 31 : KT == kQ4_K ? 15 : KT == kQ3_K ? 7 : 3);
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    // Rows 8h..8h+7's bytes of a 16-byte row array at `at` (scales, minima), widened.
+    auto bytes8 = [&](const uint8_t* o, int64_t at) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + at + 8 * h)); };
+    auto dots = [&](const __m256i* codes, int64_t m, int64_t b, __m256i& lo, __m256i& hi, __m256i& lo2, __m256i& hi2) {
+        const int32_t* xw = reinterpret_cast<const int32_t*>(X.q.data() + (m0 + m) * K + b * kBlock);
+        const int32_t* xw2 = reinterpret_cast<const int32_t*>(X.q2.data() + (m0 + m) * K + b * kBlock);
+        lo = dot_quad8<chunks>(codes, codes, xw, 0);
+        hi = dot_quad8<chunks>(codes, codes, xw, 4);
+        lo2 = dot_quad8<chunks>(codes, codes, xw2, 0);
+        hi2 = dot_quad8<chunks>(codes, codes, xw2, 4);
+    };
+    for (int64_t s = 0; s < ns; ++s) {
+        const uint8_t* o = wg + s * kx16_bytes(KT);
+        for (int64_t l = 0; l < kx16_bytes(KT); l += 64)   // the next super-block
+            _mm_prefetch(reinterpret_cast<const char*>(o) + kx16_bytes(KT) + l, _MM_HINT_T0);
+        const __m256 dv = halves8(o, h);
+        __m256i codes[8];
+        if constexpr (has_min(KT)) {
+            const __m256 mv = halves8(o + 32, h);
+            for (int sub = 0; sub < 8; ++sub) {
+                const uint8_t* cp = o + 320 + 512 * (sub / 2);
+                for (int t = 0; t < 8; ++t) {
+                    const __m256i raw = chunk_half(cp + 64 * t, h);
+                    codes[t] = _mm256_and_si256(sub % 2 ? _mm256_srli_epi16(raw, 4) : raw, nib);
+                    if constexpr (KT == kQ5_K) {
+                        const __m256i bit = _mm256_set1_epi8((char)(1 << sub));
+                        codes[t] = add_where(codes[t], chunk_half(o + kFifthBits + 64 * t, h), bit, _mm256_set1_epi8(0x10));
+                    }
+                }
+                const __m256 sc = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(o, 64 + 16 * sub))));
+                const __m256 mn = _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(o, 192 + 16 * sub))));
+                const int64_t b = s * 8 + sub;
+                for (int m = 0; m < M; ++m) {
+                    const int64_t r = (m0 + m) * nb + b;
+                    __m256i lo, hi, lo2, hi2;
+                    dots(codes, m, b, lo, hi, lo2, hi2);
+                    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo2, hi2)), _mm256_set1_ps(X.d2[r]),
+                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)),
+                                                                   _mm256_set1_ps(X.d[r])));
+                    acc[m] = _mm256_fmadd_ps(v, sc, acc[m]);
+                    acc[m] = _mm256_fnmadd_ps(mn, _mm256_set1_ps(X.sum[r]), acc[m]);
+                }
+            }
+        } else {
+            const __m256i hmask = _mm256_set1_epi8(0x30);
+            const __m256 mv = KT == kQ2_K ? halves8(o + 32, h) : _mm256_setzero_ps();
+            for (int blk = 0; blk < 8; ++blk) {
+                if constexpr (KT == kQ3_K || KT == kQ2_K) {
+                    const uint8_t* cp = o + k2bit_block(KT, blk);
+                    const __m256i three = _mm256_set1_epi8(3);
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const __m256i lb = chunk_half(cp + 64 * hh, h);
+                        for (int q = 0; q < 4; ++q) codes[4 * hh + q] = _mm256_and_si256(_mm256_srli_epi16(lb, 2 * q), three);
+                    }
+                    if constexpr (KT == kQ3_K) {
+                        const __m256i hb = chunk_half(cp + 128, h), four = _mm256_set1_epi8(4);
+                        for (int t = 0; t < 8; ++t) codes[t] = add_where(codes[t], hb, _mm256_set1_epi8((char)(1 << t)), four);
+                    }
+                } else {
+                    const uint8_t* cp = o + 288 + 384 * blk;
+                    for (int c = 0; c < 4; ++c) {
+                        const __m256i raw = chunk_half(cp + 64 * c, h);
+                        codes[c] = _mm256_and_si256(raw, nib);
+                        codes[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                    }
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const __m256i hb = chunk_half(cp + 256 + 64 * hh, h);
+                        codes[4 * hh] = _mm256_or_si256(codes[4 * hh], _mm256_and_si256(_mm256_slli_epi32(hb, 4), hmask));
+                        codes[4 * hh + 1] = _mm256_or_si256(codes[4 * hh + 1], _mm256_and_si256(_mm256_slli_epi32(hb, 2), hmask));
+                        codes[4 * hh + 2] = _mm256_or_si256(codes[4 * hh + 2], _mm256_and_si256(hb, hmask));
+                        codes[4 * hh + 3] = _mm256_or_si256(codes[4 * hh + 3], _mm256_and_si256(_mm256_srli_epi32(hb, 2), hmask));
+                    }
+                }
+                auto scale = [&](int i) {
+                    if constexpr (KT == kQ2_K)
+                        return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_and_si256(
+                                                     _mm256_cvtepu8_epi32(bytes8(o, 64 + 16 * i)), _mm256_set1_epi32(0xF))));
+                    return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(o, 32 + 16 * i))));
+                };
+                auto minimum = [&](int i) {
+                    return _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(bytes8(o, 64 + 16 * i)), 4)));
+                };
+                const __m256 sa = scale(2 * blk), sb = scale(2 * blk + 1);
+                __m256 ma = _mm256_setzero_ps(), mb = ma;
+                if constexpr (KT == kQ2_K) ma = minimum(2 * blk), mb = minimum(2 * blk + 1);
+                const int64_t b = s * 8 + blk;
+                for (int m = 0; m < M; ++m) {
+                    const int64_t r = (m0 + m) * nb + b;
+                    __m256i lo, hi, lo2, hi2;
+                    dots(codes, m, b, lo, hi, lo2, hi2);
+                    constexpr int z = kzero(KT);
+                    if constexpr (z != 0) {
+                        lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(z * X.qsum_lo[r]));
+                        hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(z * (X.qsum[r] - X.qsum_lo[r])));
+                        lo2 = _mm256_sub_epi32(lo2, _mm256_set1_epi32(z * X.qsum2_lo[r]));
+                        hi2 = _mm256_sub_epi32(hi2, _mm256_set1_epi32(z * (X.qsum2[r] - X.qsum2_lo[r])));
+                    }
+                    const __m256 d = _mm256_set1_ps(X.d[r]), d2 = _mm256_set1_ps(X.d2[r]);
+                    const __m256 va = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo2), d2, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), d));
+                    const __m256 vb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi2), d2, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), d));
+                    acc[m] = _mm256_fmadd_ps(va, sa, acc[m]);
+                    acc[m] = _mm256_fmadd_ps(vb, sb, acc[m]);
+                    if constexpr (KT == kQ2_K) {
+                        const float xa = (float)X.qsum_lo[r] * X.d[r] + (float)X.qsum2_lo[r] * X.d2[r];
+                        const float xb = (float)(X.qsum[r] - X.qsum_lo[r]) * X.d[r] +
+                                         (float)(X.qsum2[r] - X.qsum2_lo[r]) * X.d2[r];
+                        acc[m] = _mm256_fnmadd_ps(ma, _mm256_set1_ps(xa), acc[m]);
+                        acc[m] = _mm256_fnmadd_ps(mb, _mm256_set1_ps(xb), acc[m]);
+                    }
+                }
+            }
+        }
+    }
+    store_half<M>(acc, bias, y, ldy, m0, n0 + 8 * h);
+}
+
+template <int KT, typename T>
+void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
+    const int64_t ns = K / kSuper, gbytes = ns * kx16_bytes(KT);
+    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
+        for (int h = 0; h < 2; ++h)
+            kx16_half<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, h, bias, y, ldy, g * kRows);
+    });
+}
 #endif
 
 template <typename T>
@@ -1362,7 +1709,7 @@ void dispatch_kgemv(int kt, const float* x, int64_t M, int64_t K, const uint8_t*
                     int64_t ldy) {
     with_quantized(x, M, K, [&](const QuantX& X) {
         with_ktype(kt, [&](auto k) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
             kx16_impl<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
 #else
             kx16_portable<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
@@ -1500,7 +1847,7 @@ torch::Tensor krepack(torch::Tensor w, int64_t K, int64_t bytes) {
 }
 
 // Whether the x16 layout runs on int8 dot products here (else a scalar loop: never chosen).
-bool quant_int8_native() { return kHaveVnni; }
+bool quant_int8_native() { return kInt8Vector; }
 bool int8_amx() { return use_amx(kAmxMinTokens); }
 int64_t int8_amx_tokens() { return kAmxMinTokens; }
 void set_int8_amx(bool on) { g_int8_amx.store(on); }
