@@ -132,10 +132,11 @@ def fused_group_key(hf_name: str) -> str | None:
     return f"{parts[0]}.{FUSED_PIECE[parts[1]][0]}.{parts[2]}"
 
 
-def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
+def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = (), skip=()):
     """HF-named tensors: fp32 numpy arrays, and, for 2-D weights stored in a type of `native`,
     ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). A fused matmul
-    (q/k/v, gate/up) with a dense piece is made dense whole by ``loader.build_model``."""
+    (q/k/v, gate/up) with a dense piece is made dense whole by ``loader.build_model``. Names in
+    `skip` (HF, without "model.": held elsewhere, model/packed.py) are neither read nor returned."""
     from gguf.quants import dequantize
 
     from conveyor.model.quant import QuantTensor
@@ -147,6 +148,8 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = ()):
         if kind not in SUPPORTED_QUANTS:
             raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {kind}")
         name = _hf_name(t.name, cfg.model_type)
+        if name.removeprefix("model.") in skip:
+            continue
         keep = kind in native and len(t.shape) == 2
         w = np.array(t.data) if keep else np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if cfg.norm_unit_offset and name.endswith("norm.weight"):
@@ -193,12 +196,12 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
     return target
 
 
-def gguf_native_weights(path: str | Path, cfg: ModelConfig, native: tuple[str, ...]) -> dict:
+def gguf_native_weights(path: str | Path, cfg: ModelConfig, native: tuple[str, ...], skip=()) -> dict:
     """The file's tensors, HF-named, with the matmul weights of the `native` types as QuantTensors
-    and every other tensor as fp32 torch tensors."""
+    and every other tensor as fp32 torch tensors (but those in `skip`: gguf_tensors)."""
     from gguf import GGUFReader
 
-    out = gguf_tensors(GGUFReader(path), cfg, native)
+    out = gguf_tensors(GGUFReader(path), cfg, native, skip)
     return {k: torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v
             for k, v in out.items()}
 

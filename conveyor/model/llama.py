@@ -8,6 +8,7 @@ matmul each to cut per-step kernel launches and Python overhead.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from conveyor.model.linear import MAX_GEMV_TOKENS, CpuLinear, replace_linears
 from conveyor.model.ops import CpuFusedOps, TorchOps
 from conveyor.model.quant import (NATIVE_BLOCK_BYTES, QuantConcat, QuantEmbedding, QuantLinear, QuantTensor, dense_module,
                                   dense_tokens, int8_amx_tokens)
+
+if TYPE_CHECKING:
+    from conveyor.model.packed import PackedWeights
 
 
 # The matmuls fused on load: fused module -> the HF pieces whose rows it stacks, in order.
@@ -203,44 +207,63 @@ class LlamaForCausalLM(nn.Module):
         """The activations' (and KV cache's) dtype."""
         return self.norm.weight.dtype
 
-    def use_quantized(self, weights: dict[str, QuantTensor], int8: bool = False, dense_copy: bool = False) -> None:
+    def use_quantized(self, weights: dict[str, QuantTensor], int8: bool = False, dense_copy: bool = False,
+                      packed: PackedWeights | None = None) -> None:
         """Compute the matmuls whose weights are given (HF names, GGUF blocks) from them as stored:
         QuantLinear / QuantEmbedding in place of the dense modules, before the dense weights load.
         Fused matmuls (q/k/v, gate/up) take their pieces' rows in order. With `int8`, in the
         int8-activation kernel's layout (rows in 16s; K-quants always); with `dense_copy`, each also holds a dense
-        copy for the large steps where that is measured faster (quant.dense_tokens)."""
+        copy for the large steps where that is measured faster (quant.dense_tokens). With `packed`
+        (model/packed.py): a module whose tensors it holds takes them (mapped from its file: the
+        pieces were not read); on a miss, each module's final tensor is recorded there."""
         given, weights = weights, {k.removeprefix("model."): v for k, v in weights.items()}
         given.clear()   # each block tensor is dropped below once it is concatenated or reordered
         # K-quants have only the int8 kernel: in its layout whatever the other types use.
         layout = (lambda w: w.for_int8() if int8 or w.is_k else w)  # noqa: E731
+        hit = packed is not None and packed.hit
+        cached = packed.parts if hit else (lambda key: None)  # noqa: E731
+        record = packed.record if packed is not None and not hit else (lambda *a: None)  # noqa: E731
         dtype = self.dtype
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             for owner, prefix, attr in ((layer.self_attn, "self_attn", "qkv_proj"),
                                         (layer.self_attn, "self_attn", "o_proj"),
                                         (layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")):
+                key = f"{p}{prefix}.{attr}"
                 names = [f"{p}{prefix}.{n}.weight" for n in FUSED.get(attr, (attr,))]
-                if all(isinstance(weights.get(n), QuantTensor) for n in names):
-                    pieces, bias = [weights.pop(n) for n in names], getattr(owner, attr).bias
+                tensors = cached(key)
+                if tensors is None and all(isinstance(weights.get(n), QuantTensor) for n in names):
+                    pieces = [weights.pop(n) for n in names]
                     runs: list[list[QuantTensor]] = []   # consecutive pieces of one type fuse
                     for w in pieces:
                         if runs and runs[-1][0].qtype == w.qtype:
                             runs[-1].append(w)
                         else:
                             runs.append([w])
-                    parts = [self._quant_linear(layout(QuantTensor.cat(run)), None if len(runs) > 1 else bias,
-                                                dtype, dense_copy) for run in runs]
-                    setattr(owner, attr, parts[0] if len(parts) == 1 else QuantConcat(parts, bias))
-                    del pieces, runs, parts
+                    del pieces
+                    tensors = [layout(QuantTensor.cat(runs.pop(0))) for _ in range(len(runs))]
+                if tensors is None:
+                    continue
+                bias = getattr(owner, attr).bias
+                parts = [self._quant_linear(w, None if len(tensors) > 1 else bias, dtype, dense_copy) for w in tensors]
+                for j, (w, part) in enumerate(zip(tensors, parts)):
+                    record(key if len(parts) == 1 else f"{key}.{j}", w, part, names)
+                setattr(owner, attr, parts[0] if len(parts) == 1 else QuantConcat(parts, bias))
+                del tensors, parts
         embed = weights.pop("embed_tokens.weight", None)
+        embed = (cached("embed_tokens") or [embed])[0]
         if isinstance(embed, QuantTensor):
             embed = layout(embed)   # one copy for the lookup and a tied head
             self.embed_tokens = QuantEmbedding(embed, dtype)
-        head = embed if self.cfg.tie_word_embeddings else weights.pop("lm_head.weight", None)
+            record("embed_tokens", embed, self.embed_tokens, ["embed_tokens.weight"])
+        tied = self.cfg.tie_word_embeddings
+        head = embed if tied else (cached("lm_head") or [weights.pop("lm_head.weight", None)])[0]
         if isinstance(head, QuantTensor):
             head = layout(head)
             self.cpu_lm_head = self._quant_linear(head, None, dtype, dense_copy)   # shares a tied embedding's blocks
-            if not self.cfg.tie_word_embeddings:
+            record("embed_tokens" if tied else "lm_head", head, self.cpu_lm_head,
+                   ["embed_tokens.weight" if tied else "lm_head.weight"])
+            if not tied:
                 del self.lm_head
 
     @staticmethod

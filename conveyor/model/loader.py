@@ -112,12 +112,15 @@ def read_config(directory: Path) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32, tp=None, int8_activations: bool | None = None) -> LlamaForCausalLM:
+                dtype: torch.dtype = torch.float32, tp=None, int8_activations: bool | None = None,
+                packed=None) -> LlamaForCausalLM:
     """The model on `device`; with ``tp`` (a conveyor.parallel.tp.TPGroup), this rank's slice of it.
     `weights` may hold ``quant.QuantTensor``s (GGUF blocks kept as stored; not with ``tp``; they are
     taken out of the dict, so that each is freed once the model holds its own layout), multiplied
     with activations rounded to int8 per block (`int8_activations`; None: as
-    ``quant.int8_activations_for`` decides for `dtype` on this CPU) or in the model's dtype."""
+    ``quant.int8_activations_for`` decides for `dtype` on this CPU) or in the model's dtype. With
+    `packed` (a ``packed.PackedWeights``), the quantized matmuls it caches come from its mapped
+    file (their blocks left out of `weights`); on a miss they are written there and mapped."""
     from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_for, int8_activations_native
     from conveyor.model.attention import CpuPagedAttention, make_attention_backend
     from conveyor.model.gguf_loader import fused_group_key
@@ -150,10 +153,14 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     mixed = {fused_group_key(k) for k in weights} - {None}   # ... and a fused matmul is dense if one piece is
     for k in [k for k in quant if fused_group_key(k) in mixed]:
         weights[k] = quant.pop(k).dequantize()
-    quantized = bool(quant)
+    hit = packed is not None and packed.hit
+    quantized = bool(quant) or hit
     if quantized:
-        copy_bytes = sum(w.out_features * w.in_features for w in quant.values()) * dtype.itemsize
-        model.use_quantized(quant, int8, dense_copy_allowed(copy_bytes))
+        held = [*quant.values(), *(packed.tensors.values() if hit else ())]
+        copy_bytes = sum(w.out_features * w.in_features for w in held) * dtype.itemsize
+        model.use_quantized(quant, int8, dense_copy_allowed(copy_bytes), packed)
+        if packed is not None:
+            packed.save_and_map()   # before anything (the fused layer loop) takes the tensors
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
     # Prepacking is chosen per weight shape (MKL and oneDNN rank differently by shape and CPU);
     # the GEMV's threshold, one for the model (its fused layer loop needs one), on the MLP's shape.
@@ -236,13 +243,22 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     tokenizer = Tokenizer.from_hf_dir(tok_dir)
     if not cfg.eos_token_ids:
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
+    packed = None
     if native:
         from conveyor.model.gguf_loader import gguf_native_weights
+        from conveyor.model.packed import PackedWeights
+        from conveyor.model.quant import int8_activations_for
 
-        weights = gguf_native_weights(path, cfg, native)
+        # The layout build_model chooses (int8 activations under `auto`), cached and mapped.
+        packed = PackedWeights.open(path, native, quantization == "auto" and int8_activations_for(dtype))
+        weights = gguf_native_weights(path, cfg, native, skip=packed.sources if packed is not None else ())
     else:
         weights = load_weights(directory)
-    net = build_model(cfg, weights, device, dtype, tp, None if quantization == "auto" else False)
+    try:
+        net = build_model(cfg, weights, device, dtype, tp, None if quantization == "auto" else False, packed)
+    finally:
+        if packed is not None:
+            packed.release()
     del weights
     _return_freed_memory()
     log.info("weights in memory: %s", net.weight_bytes_summary())
