@@ -172,6 +172,17 @@ def test_the_prefix_router_learns_from_the_replicas_kv_events(dp_server):
     assert hits >= len(keys)   # and found the blocks there (the counter counts blocks)
 
 
+def test_the_replicas_map_one_packed_copy_of_the_gguf_weights(dp_server):
+    """Both replica processes hold the demo GGUF's quantized weights as a mapping of the same packed
+    file (model/packed.py): one copy in the page cache for both, not one each."""
+    files = []
+    for replica in dp_server.engine.replicas:
+        maps = open(f"/proc/{replica._proc.pid}/maps").read().splitlines()
+        files.append({line.split()[5] for line in maps
+                      if len(line.split()) >= 6 and "/packed/" in line and line.endswith(".safetensors")})
+    assert len(files[0]) == 1 and files[0] == files[1]
+
+
 @pytest.mark.slow
 def test_a_killed_replica_fails_only_its_requests_and_is_reported_down(dp_server):
     engine: DataParallelEngine = dp_server.engine
