@@ -1,7 +1,7 @@
 """Synthetic Llama GGUF files at real model sizes (random weights), to measure memory, load time
 and decode speed where the demo model is too small to tell.
 
-    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q8_0|Q2_K_M|Q3_K_M|Q4_K_M|Q5_K_M [--out DIR] [--measure]
+    python benchmarks/synthetic_gguf.py --size 1b|8b --qtype Q4_0|Q5_1|Q8_0|Q2_K_M|Q3_K_M|Q4_K_M|Q5_K_M [--out DIR] [--measure]
 
 Shapes are Llama-3.2-1B's and Llama-3.1-8B's (hidden 2048 / 4096, 16 / 32 layers, MLP 8192 /
 14336, 32 heads, 8 KV heads), with the demo model's tokenizer (and so its 49152-token vocabulary)
@@ -32,9 +32,9 @@ SIZES = {  # hidden, layers, intermediate, heads, kv heads
     "8b": (4096, 32, 14336, 32, 8),
 }
 # Bytes per block of weights: (weights per block, bytes).
-BLOCK_BYTES = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
                "Q6_K": (256, 210)}
-QTYPES = ("Q4_0", "Q8_0", "Q2_K_M", "Q3_K_M", "Q4_K_M", "Q5_K_M")
+QTYPES = ("Q4_0", "Q5_1", "Q8_0", "Q2_K_M", "Q3_K_M", "Q4_K_M", "Q5_K_M")
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
@@ -44,10 +44,10 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.nd
     nb = cols // per
     data = rng.integers(0, 256, size=(rows, nb, bs), dtype=np.uint8)
     where = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
-             "Q6_K": slice(208, 210)}.get(qtype, slice(0, 2))  # d (and dmin)
+             "Q6_K": slice(208, 210), "Q5_1": slice(0, 4)}.get(qtype, slice(0, 2))  # d (and dmin; Q5_1: m)
     span = {"Q2_K": 2 / (8 * 4 * np.sqrt(cols)), "Q3_K": 2 / (32 * 4 * np.sqrt(cols)), "Q4_K": 2 / (8 * 40 * np.sqrt(cols)),
             "Q5_K": 2 / (16 * 40 * np.sqrt(cols)),
-            "Q6_K": 2 / (32 * 80 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
+            "Q6_K": 2 / (32 * 80 * np.sqrt(cols)), "Q5_1": 2 / (16 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
     count = (where.stop - where.start) // 2
     scale = (rng.random((rows, nb, count), dtype=np.float32) * span).astype(np.float16)
     data[:, :, where] = scale.view(np.uint8).reshape(rows, nb, 2 * count)

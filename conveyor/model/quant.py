@@ -1,6 +1,6 @@
 """GGUF-quantized weights computed as stored (``--quantization auto``, the default for GGUF files).
 
-A Q4_0, Q4_1, Q5_0 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
+A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 tensor stays in its blocks of 32 weights (``QuantTensor``: the file's bytes,
 one row of blocks per output feature) and matmuls read it through the C++ kernels
 (csrc/quant_cpu.cpp): a decode step streams 0.56-1.06 bytes per weight instead of 2 (bf16) or 4
 (fp32). Which kernel, by the activations' dtype (docs/models.md):
@@ -18,7 +18,7 @@ one row of blocks per output feature) and matmuls read it through the C++ kernel
 - otherwise (``weight-only``, fp32 without VNNI): each block widened to fp32, FMAs.
 
 K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) stay as stored only where the int8 kernel runs (AVX512-VNNI, AVX2),
-for fp32 and bf16 models. Other GGUF types (F16, Q5_1, ...) are dequantized at load as with
+for fp32 and bf16 models. Other GGUF types (F16, IQ types, ...) are dequantized at load as with
 ``--quantization none``, which dequantizes everything to ``--dtype`` (the pre-existing path, cached
 on disk).
 """
@@ -37,7 +37,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "weight-only", "none")   # what load_model takes (config.py lists them for the CLI)
-NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}   # bytes per block of 32 weights
+NATIVE_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}   # bytes per block of 32 weights
 BLOCK = 32
 # K-quants: bytes per super-block of 256 weights. Computed as stored only with int8 activations (the
 # x16 layout, AVX512-VNNI or AVX2); elsewhere they are dequantized at load.
@@ -63,7 +63,7 @@ FUSED_INT8_TOKENS = 15
 
 
 def int8_amx_tokens() -> int:
-    """The fewest tokens of a step for which the int8 kernel computes 32-blocks (Q4_0, Q4_1, Q5_0,
+    """The fewest tokens of a step for which the int8 kernel computes 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0) on AMX tiles here, 0 where it never does (no AMX-INT8, a compiler without it, or
     ``CONVEYOR_INT8_AMX=off``). Each token's outputs are the VNNI path's to the bit, so this changes
     speed only; whole tiles of 16 tokens take AMX, a step's remaining tokens VNNI."""

@@ -59,7 +59,7 @@ def test_kernels_compute_the_gguf_dequantization(qtype):
 
 def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor, plain: bool = False) -> torch.Tensor:
     """x W^T with x per block of 32 as two int8 terms, x ~ d q + d2 q2 (d = max|x| / 127,
-    d2 = d / 254, ties to even), in fp64; Q4_1's minima multiply the exact block sums of x."""
+    d2 = d / 254, ties to even), in fp64; Q4_1's and Q5_1's minima multiply the exact block sums of x."""
     m, k = x.shape
     xb = x.view(m, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
@@ -68,9 +68,9 @@ def _int8_reference(x: torch.Tensor, w: QuantTensor, dense: torch.Tensor, plain:
     d2 = d / 254
     q2 = torch.where(amax > 0, torch.round((xb - d * q) * (1 / d2)).clamp(-127, 127), 0.0)
     xq = (q.double() * d.double() + q2.double() * d2.double()).view(m, k)
-    if plain or w.qtype != "Q4_1":
+    if plain or w.qtype not in ("Q4_1", "Q5_1"):
         return xq @ dense.double().T
-    raw = w.data.view(w.out_features, k // BLOCK, NATIVE_BLOCK_BYTES["Q4_1"])
+    raw = w.data.view(w.out_features, k // BLOCK, NATIVE_BLOCK_BYTES[w.qtype])
     mins = raw[:, :, 2:4].contiguous().view(torch.float16).double().squeeze(-1)   # [out, blocks]
     return xq @ (dense.double() - mins.repeat_interleave(BLOCK, 1)).T + xb.double().sum(-1) @ mins.T
 
@@ -264,7 +264,7 @@ def _tiny_quantized_gguf(hf_model, path, arch: str, qtype: str):
 
 
 @pytest.mark.parametrize("name, arch, qtype", [("llama_gqa", "llama", "Q4_1"), ("llama_tied", "llama", "Q8_0"),
-                                               ("qwen3", "qwen3", "Q4_0")])
+                                               ("qwen3", "qwen3", "Q4_0"), ("llama_gqa", "llama", "Q5_1")])
 def test_quantized_model_equals_the_dequantized_one(tiny_models, tmp_path, monkeypatch, name, arch, qtype):
     """Q/K rows unpermuted as blocks, q/k/v and gate/up fused as blocks, quantized embeddings and
     LM head (tied or not): the same logits as the model dequantized at load, prefill and decode

@@ -1,6 +1,6 @@
-// Matmuls computed from GGUF-quantized weights as stored (Q4_0, Q4_1, Q5_0, Q8_0): y = x W^T (+ b)
-// with W kept in its blocks of 32 weights (an fp16 scale, for Q4_1 an fp16 minimum, and 4-, 5- or
-// 8-bit codes; Q5_0's fifth bits are one 32-bit word per block), never a dense copy. A decode step is bound by reading the weights, and a Q4_1
+// Matmuls computed from GGUF-quantized weights as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): y = x W^T (+ b)
+// with W kept in its blocks of 32 weights (an fp16 scale, for Q4_1 and Q5_1 an fp16 minimum, and 4-,
+// 5- or 8-bit codes; Q5_0's and Q5_1's fifth bits are one 32-bit word per block), never a dense copy. A decode step is bound by reading the weights, and a Q4_1
 // weight is 0.625 bytes against 2 (bf16) or 4 (fp32). Three kernels:
 // - plain layout, fp32 activations: each block widened to fp32 in registers (AVX-512) and FMAs,
 //   so the only difference from the dequantized fp32 model is the order of the sums;
@@ -9,7 +9,7 @@
 // - the x16 layout (below): int8 dot products against activations as two int8 terms (VNNI;
 //   steps of 16+ tokens on AMX-INT8 tiles where the CPU has them, the same integers and bits).
 // A plain row: ggml's blocks one after another along K. The type follows from the row's bytes
-// per block of 32 (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34; x16: 16 times that per group of 16 rows).
+// per block of 32 (Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34; x16: 16 times that per group of 16 rows).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +36,7 @@ namespace {
 using conveyor::narrow;
 using conveyor::widen;
 
-enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ8_0 = 34 };   // bytes per block of 32 weights
+enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ5_1 = 24, kQ8_0 = 34 };   // bytes per block of 32 weights
 constexpr int kBlock = 32;
 constexpr int kMaxM = 8;    // tokens per pass over the weight
 constexpr int64_t kAmxMinTokens = 16;   // steps this large take AMX tiles where there are
@@ -71,12 +71,18 @@ inline void with_qtype(int qt, F&& f) {
         case kQ4_0: f(std::integral_constant<int, kQ4_0>{}); break;
         case kQ4_1: f(std::integral_constant<int, kQ4_1>{}); break;
         case kQ5_0: f(std::integral_constant<int, kQ5_0>{}); break;
+        case kQ5_1: f(std::integral_constant<int, kQ5_1>{}); break;
         default: f(std::integral_constant<int, kQ8_0>{}); break;
     }
 }
 
-// Where a plain block's codes start (after its scale, Q4_1's minimum, Q5_0's fifth bits).
-constexpr int code_offset(int QT) { return QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : 2; }
+// Where a plain block's codes start (after its scale, Q4_1's / Q5_1's minimum, Q5_0's / Q5_1's fifth bits).
+constexpr int code_offset(int QT) { return QT == kQ4_1 ? 4 : QT == kQ5_0 ? 6 : QT == kQ5_1 ? 8 : 2; }
+// Types with a minimum per block (weight = scale * code + minimum) and with fifth code bits, and
+// where a plain block's fifth bits (a 32-bit word, bit i: weight i) start.
+constexpr bool block_min(int QT) { return QT == kQ4_1 || QT == kQ5_1; }
+constexpr bool has_fifth(int QT) { return QT == kQ5_0 || QT == kQ5_1; }
+constexpr int fifth_offset(int QT) { return QT == kQ5_1 ? 4 : 2; }
 // A code's unsigned offset: weight = scale * (code - offset) (+ minimum, Q4_1).
 constexpr int code_zero(int QT) { return QT == kQ4_0 ? 8 : QT == kQ5_0 ? 16 : QT == kQ8_0 ? 128 : 0; }
 
@@ -115,9 +121,9 @@ inline void dequant_block(const uint8_t* b, float* out) {
         const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
         for (int i = 0; i < kBlock; ++i) out[i] = d * q[i];
     } else {
-        const float m = QT == kQ4_1 ? half_at(b + 2) : -(float)code_zero(QT) * d;
+        const float m = block_min(QT) ? half_at(b + 2) : -(float)code_zero(QT) * d;
         const uint8_t* q = b + code_offset(QT);
-        const uint32_t qh = QT == kQ5_0 ? u32_at(b + 2) : 0;   // bit i: weight i's fifth bit
+        const uint32_t qh = has_fifth(QT) ? u32_at(b + fifth_offset(QT)) : 0;   // bit i: weight i's fifth bit
         for (int i = 0; i < 16; ++i) {
             out[i] = std::fma((float)((q[i] & 0x0F) | (((qh >> i) & 1) << 4)), d, m);
             out[i + 16] = std::fma((float)((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)), d, m);
@@ -137,14 +143,14 @@ inline void dequant_block16(const uint8_t* b, __m512& w0, __m512& w1) {
         w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                                   reinterpret_cast<const __m128i*>(b + 18)))));
     } else {
-        const __m512 m = QT == kQ4_1 ? _mm512_set1_ps(half_at(b + 2))
+        const __m512 m = block_min(QT) ? _mm512_set1_ps(half_at(b + 2))
                                      : _mm512_set1_ps(-(float)code_zero(QT) * half_at(b));
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + code_offset(QT)));
         const __m128i nib = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
         __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-        if constexpr (QT == kQ5_0) {   // + 16 where the fifth bit is set
-            const uint32_t qh = u32_at(b + 2);
+        if constexpr (has_fifth(QT)) {   // + 16 where the fifth bit is set
+            const uint32_t qh = u32_at(b + fifth_offset(QT));
             const __m512 sixteen = _mm512_set1_ps(16.f);
             c0 = _mm512_mask_add_ps(c0, (__mmask16)(qh & 0xFFFF), c0, sixteen);
             c1 = _mm512_mask_add_ps(c1, (__mmask16)(qh >> 16), c1, sixteen);
@@ -296,17 +302,17 @@ void qgemv_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 // scales are one 32-byte load: the per-block bookkeeping that dominates the fp32 kernel above
 // (two scale broadcasts, code widening, a dequantizing FMA per 16 weights and row) is paid once
 // per 16 rows. Group g, block b at (g * nb + b) * 16 * QT bytes (the same bytes as the rows):
-//   16 fp16 scales (row j at 2j); Q4_1: then 16 fp16 minima;
+//   16 fp16 scales (row j at 2j); Q4_1, Q5_1: then 16 fp16 minima;
 //   the codes in 64-byte chunks, bytes 4j..4j+3 of a chunk being row j's:
-//     Q4_0/Q4_1/Q5_0: 4 chunks, chunk c = the row's code bytes 4c..4c+3 (low nibbles: weights
-//                4c..4c+3, high nibbles: weights 16+4c..16+4c+3, as ggml packs them); Q5_0: then
+//     Q4_0/Q4_1/Q5_0/Q5_1: 4 chunks, chunk c = the row's code bytes 4c..4c+3 (low nibbles: weights
+//                4c..4c+3, high nibbles: weights 16+4c..16+4c+3, as ggml packs them); Q5_0/Q5_1: then
 //                a fifth chunk, bytes 4j..4j+3 = row j's 32 fifth bits (its block's word);
 //     Q8_0: 8 chunks, chunk t = weights 4t..4t+3, each + 128 (unsigned).
 // Activations are rounded per token and block of 32 to two int8 terms (quantize_into): that, not
 // the weights, is this path's only rounding beyond the fp32 one's.
 constexpr int kRows = 16;
 
-constexpr int header_bytes(int QT) { return QT == kQ4_1 ? 4 : 2; }
+constexpr int header_bytes(int QT) { return block_min(QT) ? 4 : 2; }
 
 struct QInfo {
     int qt;       // bytes per plain block of 32: one of QType
@@ -323,8 +329,8 @@ QInfo qinfo(const torch::Tensor& w, int64_t K) {
     int64_t bs = w.size(1) / nb;
     const bool x16 = bs % kRows == 0;
     if (x16) bs /= kRows;
-    TORCH_CHECK(bs == kQ4_0 || bs == kQ4_1 || bs == kQ5_0 || bs == kQ8_0, "unknown block size ", bs,
-                " (Q4_0, Q4_1, Q5_0, Q8_0 only)");
+    TORCH_CHECK(bs == kQ4_0 || bs == kQ4_1 || bs == kQ5_0 || bs == kQ5_1 || bs == kQ8_0, "unknown block size ", bs,
+                " (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 only)");
     return {(int)bs, x16, x16 ? w.size(0) * kRows : w.size(0)};
 }
 
@@ -335,11 +341,11 @@ inline const uint8_t* plain_block(const uint8_t* w, bool x16, int64_t nb, int64_
     const uint8_t* blk = w + ((n / kRows) * nb + b) * kRows * QT;
     const int j = (int)(n % kRows), hdr = header_bytes(QT), co = code_offset(QT);
     std::memcpy(tmp, blk + 2 * j, 2);
-    if (QT == kQ4_1) std::memcpy(tmp + 2, blk + 2 * kRows + 2 * j, 2);
+    if (block_min(QT)) std::memcpy(tmp + 2, blk + 2 * kRows + 2 * j, 2);
     const uint8_t* codes = blk + kRows * hdr;
     for (int c = 0; c < (QT == kQ8_0 ? 8 : 4); ++c)
         for (int i = 0; i < 4; ++i) tmp[co + 4 * c + i] = codes[c * 64 + 4 * j + i] ^ (QT == kQ8_0 ? 0x80 : 0);
-    if (QT == kQ5_0) std::memcpy(tmp + 2, codes + 4 * 64 + 4 * j, 4);
+    if (has_fifth(QT)) std::memcpy(tmp + fifth_offset(QT), codes + 4 * 64 + 4 * j, 4);
     return tmp;
 }
 
@@ -354,11 +360,11 @@ void repack_impl(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb) {
                 for (int j = 0; j < kRows; ++j) {
                     const uint8_t* blk = src + ((g * kRows + j) * nb + b) * QT;
                     std::memcpy(o + 2 * j, blk, 2);
-                    if (QT == kQ4_1) std::memcpy(o + 2 * kRows + 2 * j, blk + 2, 2);
+                    if (block_min(QT)) std::memcpy(o + 2 * kRows + 2 * j, blk + 2, 2);
                     for (int c = 0; c < (QT == kQ8_0 ? 8 : 4); ++c)
                         for (int i = 0; i < 4; ++i)
                             codes[c * 64 + 4 * j + i] = blk[code_offset(QT) + 4 * c + i] ^ (QT == kQ8_0 ? 0x80 : 0);
-                    if (QT == kQ5_0) std::memcpy(codes + 4 * 64 + 4 * j, blk + 2, 4);
+                    if (has_fifth(QT)) std::memcpy(codes + 4 * 64 + 4 * j, blk + fifth_offset(QT), 4);
                 }
             }
     });
@@ -565,7 +571,7 @@ inline void block_codes(const uint8_t* cp, __m512i (&codes)[8]) {
             codes[c] = _mm512_and_si512(raw, nib);
             codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
         }
-        if constexpr (QT == kQ5_0) {
+        if constexpr (has_fifth(QT)) {
             // Lane j's word holds row j's fifth bits; chunk c's byte i is weight 4c + i (low
             // nibbles) or 16 + 4c + i (high): bits 4c..4c+3 of the word go to bit 4 of bytes 0..3.
             // Multiplying 4 bits by 1 + 2^7 + 2^14 + 2^21 puts bit i at 8i (no carries).
@@ -594,7 +600,7 @@ inline __m512 block_term(__m512i a, __m512i a2, const BlockScales& x, __m512 dw,
     const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(x.d2),
                                      _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(x.d)));
     acc = _mm512_fmadd_ps(v, dw, acc);
-    if constexpr (QT == kQ4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum), acc);
+    if constexpr (block_min(QT)) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.sum), acc);
     return acc;
 }
 
@@ -603,7 +609,7 @@ template <int QT>
 inline void block_scales(const uint8_t* blk, __m512& dw, __m512& mw) {
     dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     mw = _mm512_setzero_ps();
-    if constexpr (QT == kQ4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * kRows)));
+    if constexpr (block_min(QT)) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2 * kRows)));
 }
 
 // One group of 16 output rows for M tokens.
@@ -924,7 +930,7 @@ inline void block_codes8(const uint8_t* cp, int h, __m256i (&codes)[8]) {
             codes[c] = _mm256_and_si256(raw, nib);
             codes[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
         }
-        if constexpr (QT == kQ5_0) {   // as block_codes (VNNI): bits 4c..4c+3 of a row's word to bit 4 of bytes 0..3
+        if constexpr (has_fifth(QT)) {   // as block_codes (VNNI): bits 4c..4c+3 of a row's word to bit 4 of bytes 0..3
             const __m256i qh = chunk_half(cp + 64 * 4, h);
             const __m256i four = _mm256_set1_epi32(0xF), spread = _mm256_set1_epi32(0x00204081),
                           ones = _mm256_set1_epi32(0x01010101);
@@ -948,7 +954,7 @@ inline __m256 block_term8(__m256i a, __m256i a2, const BlockScales& x, __m256 dw
     const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(x.d2),
                                      _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(x.d)));
     acc = _mm256_fmadd_ps(v, dw, acc);
-    if constexpr (QT == kQ4_1) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.sum), acc);
+    if constexpr (block_min(QT)) acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.sum), acc);
     return acc;
 }
 
@@ -957,7 +963,7 @@ template <int QT, int M, typename T>
 inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
                       int64_t n0) {
     constexpr int hdr = header_bytes(QT);
-    constexpr int chunks = QT == kQ8_0 ? 1 : int16_chunks(QT == kQ5_0 ? 31 : 15);
+    constexpr int chunks = QT == kQ8_0 ? 1 : int16_chunks(has_fifth(QT) ? 31 : 15);
     const int64_t K = nb * kBlock;
     for (int h = 0; h < 2; ++h) {
         __m256 acc[M];
@@ -968,7 +974,7 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
                 _mm_prefetch(reinterpret_cast<const char*>(blk) + (M <= 4 ? 32 : 8) * kRows * QT + l,
                              M <= 4 ? _MM_HINT_T1 : _MM_HINT_T0);
             const __m256 dw = halves8(blk, h);
-            const __m256 mw = QT == kQ4_1 ? halves8(blk + 2 * kRows, h) : _mm256_setzero_ps();
+            const __m256 mw = block_min(QT) ? halves8(blk + 2 * kRows, h) : _mm256_setzero_ps();
             __m256i codes[8], mags[8];
             block_codes8<QT>(blk + kRows * hdr, h, codes);
             constexpr bool sg = QT == kQ8_0 && kSignedQ8;
@@ -1032,7 +1038,7 @@ void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64
                         else {
                             const uint8_t byte = blk[code_offset(QT) + (i % 16)];
                             code = i < 16 ? (byte & 0x0F) : (byte >> 4);
-                            if (QT == kQ5_0) code |= ((u32_at(blk + 2) >> i) & 1) << 4;
+                            if (has_fifth(QT)) code |= ((u32_at(blk + fifth_offset(QT)) >> i) & 1) << 4;
                         }
                         dot += code * xq[i];
                         dot2 += code * xq2[i];
@@ -1040,7 +1046,7 @@ void x16_portable(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64
                     const int64_t r = m * nb + b;
                     s += ((float)(dot - off * X.qsum[r]) * X.d[r] + (float)(dot2 - off * X.qsum2[r]) * X.d2[r]) *
                          half_at(blk);
-                    if (QT == kQ4_1) s += half_at(blk + 2) * X.sum[r];
+                    if (block_min(QT)) s += half_at(blk + 2) * X.sum[r];
                 }
                 narrow(s + (bias ? widen(bias[n]) : 0.f), y + m * ldy + n);
             }
