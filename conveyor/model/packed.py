@@ -148,6 +148,7 @@ class PackedWeights:
         for old in self.file.parent.glob(f"{glob.escape(stem)}-*.safetensors"):
             if old != self.file and old.name.rsplit("-", 2)[0] == stem:
                 old.unlink(missing_ok=True)   # one cache per file name: an older file, layout or choice
+                old.with_suffix(".lock").unlink(missing_ok=True)
         recorded = self.modules
         self._map()
         for key, modules in recorded.items():
