@@ -132,11 +132,11 @@ class PackedWeights:
 
         if self.hit or not self.tensors:
             return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
         meta = {"tensors": {k: {"qtype": w.qtype, "in_features": w.in_features} for k, w in self.tensors.items()},
                 "sources": sorted(self.sources)}
         tmp = self.file.with_name(f"{self.file.name}.tmp{os.getpid()}")
         try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
             save_file({k: w.data.contiguous() for k, w in self.tensors.items()}, str(tmp),
                       metadata={"conveyor": json.dumps(meta)})
             os.replace(tmp, self.file)

@@ -95,3 +95,28 @@ def test_a_changed_file_or_a_damaged_cache_is_not_read(tiny_models, tmp_path, mo
     assert again.stat().st_size > 1000 and _mapped_from(model, again)
     for got, exp in zip(conveyor_prompt_logits(model, PROMPTS, chunk=16), want):
         assert torch.equal(got, exp)
+
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_weights_in_memory(tiny_models, tmp_path, monkeypatch):
+    """A full or read-only disk: the load goes on with the weights in private memory."""
+    import safetensors.torch
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(cache))
+    path = _tiny_quantized_gguf(tiny_models("llama_gqa").hf, tmp_path / "m.gguf", "llama", "Q8_0")
+
+    def full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    model = _load(path)
+    assert not _files(cache) and not list((cache / "packed").glob("*.tmp*"))
+    monkeypatch.undo()
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(cache))
+    want = conveyor_prompt_logits(_load(path), PROMPTS, chunk=16)   # now written and mapped
+    [file] = _files(cache)
+    assert not _mapped_from(model, file)
+    for got, exp in zip(conveyor_prompt_logits(model, PROMPTS, chunk=16), want):
+        assert torch.equal(got, exp)
