@@ -71,8 +71,9 @@ def load_cpu_kernels():
 
         _put_ninja_on_path()
 
-        module = load(name=_module_name(), sources=[str(p) for p in _SOURCES],
-                      extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_cpu_flags(), _headers_flag()],
+        flags = _cpu_flags()
+        module = load(name=_module_name(flags), sources=[str(p) for p in _SOURCES],
+                      extra_cflags=["-O3", "-ffast-math", "-fopenmp", *flags, _headers_flag()],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
@@ -82,16 +83,15 @@ def load_cpu_kernels():
     return module
 
 
-def _module_name() -> str:
+def _module_name(flags: list[str]) -> str:
     """The extension's name: with $CONVEYOR_CPU_FLAGS (probe_cache.cpu_info) a build of its own per
-    flag set, so that it neither replaces the machine's full build in torch's cache nor is loaded in
-    its place."""
+    set of compiler `flags`, so that it neither replaces the machine's full build in torch's cache
+    nor is loaded in its place."""
     import hashlib
 
-    allowed = os.environ.get("CONVEYOR_CPU_FLAGS")
-    if allowed is None:
+    if "CONVEYOR_CPU_FLAGS" not in os.environ:
         return "conveyor_cpu_kernels"
-    return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:8]
+    return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
 
 
 def _headers_flag() -> str:

@@ -173,9 +173,9 @@ def test_restricted_cpu_flags_build_and_choose_as_on_the_lesser_cpu(monkeypatch)
     monkeypatch.setenv("CONVEYOR_CPU_FLAGS", "avx2, fma f16c no_such_flag")
     assert probe_cache.cpu_info() == (model, flags & {"avx2", "fma", "f16c"})
     assert set(cpu_kernels._cpu_flags()) == {f"-m{f}" for f in flags & {"avx2", "fma", "f16c"}}
-    assert cpu_kernels._module_name().startswith("conveyor_cpu_kernels_")
+    assert cpu_kernels._module_name(cpu_kernels._cpu_flags()).startswith("conveyor_cpu_kernels_")
     assert cpu_auto_dtype(dtype_mod.cpu_flags())[0] == "float32"
     if flags - {"avx2", "fma", "f16c"}:
         assert probe_cache.machine_key() != key
     monkeypatch.delenv("CONVEYOR_CPU_FLAGS")
-    assert cpu_kernels._module_name() == "conveyor_cpu_kernels"
+    assert cpu_kernels._module_name(cpu_kernels._cpu_flags()) == "conveyor_cpu_kernels"

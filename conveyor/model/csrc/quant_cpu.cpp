@@ -31,6 +31,13 @@
 #include <unistd.h>
 #endif
 
+// The int8 kernel of the x16 layout in vector code: AVX512-VNNI, or AVX2 (8 rows at a time).
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define CONVEYOR_INT8_VECTOR 1
+#else
+#define CONVEYOR_INT8_VECTOR 0
+#endif
+
 namespace {
 
 using conveyor::narrow;
@@ -534,6 +541,15 @@ struct BlockScales {
 };
 inline BlockScales scales_at(const QuantX& X, int64_t r) { return {X.d[r], X.d2[r], X.sum[r], X.qsum[r], X.qsum2[r]}; }
 
+// f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
+template <typename F>
+inline void group_passes(int64_t N, int64_t M, F&& f) {
+    conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+            token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, g); });
+    });
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kInt8Vector = true;
 
@@ -546,15 +562,6 @@ inline void store_group(const __m512 (&acc)[M], const T* bias, T* y, int64_t ldy
         T* ym = y + (m0 + m) * ldy + n0;
         for (int j = 0; j < kRows; ++j) narrow(out[j] + (bias ? widen(bias[n0 + j]) : 0.f), ym + j);
     }
-}
-
-// f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
-template <typename F>
-inline void group_passes(int64_t N, int64_t M, F&& f) {
-    conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-            token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, g); });
-    });
 }
 
 // A block's codes for a group's 16 rows as 8 vectors, vector t holding in lane j row j's weights
@@ -654,14 +661,6 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
         }
     }
     store_group<M>(acc, bias, y, ldy, m0, n0);
-}
-
-template <int QT, typename T>
-void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
-    const int64_t nb = K / kBlock, gbytes = nb * kRows * QT;
-    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
-        x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
-    });
 }
 
 // ---- AMX: the same int32 dot products, tiles of tokens at a time -----------------------------
@@ -907,15 +906,6 @@ inline void store_half(const __m256 (&acc)[M], const T* bias, T* y, int64_t ldy,
     }
 }
 
-// f(mc, m, g): group g of 16 rows for tokens [m, m + mc), groups shared out over the threads.
-template <typename F>
-inline void group_passes(int64_t N, int64_t M, F&& f) {
-    conveyor::parallel_for(0, N / kRows, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t g = g0; g < g1; ++g)
-            token_passes(0, M, [&](auto mc, int64_t m) { f(mc, m, g); });
-    });
-}
-
 // A block's codes for half h of a group as 8 vectors (vector t: in lane j row 8h + j's weights
 // 4t..4t+3); Q8_0's as signed weights (kSignedQ8).
 template <int QT>
@@ -995,6 +985,14 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
     }
 }
 
+#else
+constexpr bool kInt8Vector = false;
+constexpr bool kHaveAmx = false;
+bool amx_permitted() { return false; }
+#endif
+
+#if CONVEYOR_INT8_VECTOR
+// The x16 layout on the vector int8 kernel (x16_group: AVX512-VNNI's or AVX2's).
 template <int QT, typename T>
 void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
     const int64_t nb = K / kBlock, gbytes = nb * kRows * QT;
@@ -1002,10 +1000,6 @@ void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N
         x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
-#else
-constexpr bool kInt8Vector = false;
-constexpr bool kHaveAmx = false;
-bool amx_permitted() { return false; }
 #endif
 
 // Whether steps of 16 tokens or more take AMX (set_int8_amx: off to compare; same results).
@@ -1567,13 +1561,6 @@ inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* w
     store_group<M>(acc, bias, y, ldy, m0, n0);
 }
 
-template <int KT, typename T>
-void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
-    const int64_t ns = K / kSuper, gbytes = ns * kx16_bytes(KT);
-    group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
-        kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, ldy, g * kRows);
-    });
-}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2: kx16_group (VNNI) for half h of a group (rows 8h..8h+7), the same sums and operations lane
 // by lane (see x16_group's AVX2 version).
@@ -1700,12 +1687,20 @@ inline void kx16_half(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* wg
     store_half<M>(acc, bias, y, ldy, m0, n0 + 8 * h);
 }
 
+// One group of 16 output rows for M tokens, half by half.
+template <int KT, int M, typename T>
+inline void kx16_group(const QuantX& X, int64_t m0, int64_t ns, const uint8_t* wg, const T* bias, T* y, int64_t ldy,
+                       int64_t n0) {
+    for (int h = 0; h < 2; ++h) kx16_half<KT, M>(X, m0, ns, wg, h, bias, y, ldy, n0);
+}
+#endif
+
+#if CONVEYOR_INT8_VECTOR
 template <int KT, typename T>
 void kx16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N, const T* bias, T* y, int64_t ldy) {
     const int64_t ns = K / kSuper, gbytes = ns * kx16_bytes(KT);
     group_passes(N, M, [&](auto mc, int64_t m, int64_t g) {
-        for (int h = 0; h < 2; ++h)
-            kx16_half<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, h, bias, y, ldy, g * kRows);
+        kx16_group<KT, decltype(mc)::value>(X, m, ns, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
 #endif
@@ -1715,7 +1710,7 @@ void dispatch_kgemv(int kt, const float* x, int64_t M, int64_t K, const uint8_t*
                     int64_t ldy) {
     with_quantized(x, M, K, [&](const QuantX& X) {
         with_ktype(kt, [&](auto k) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#if CONVEYOR_INT8_VECTOR
             kx16_impl<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
 #else
             kx16_portable<decltype(k)::value, T>(X, M, K, w, N, bias, y, ldy);
