@@ -18,10 +18,11 @@ _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp",
                                              "decode_layers_cpu.cpp", "quant_cpu.cpp")]
 
 
-def _cpu_flags() -> list[str]:
+def _cpu_flags(flags: set[str] | None = None) -> list[str]:
+    """The compiler's ISA flags for a CPU with `flags` (/proc/cpuinfo's names; default: this one's)."""
     from conveyor.model.probe_cache import cpu_info
 
-    flags = cpu_info()[1]
+    flags = cpu_info()[1] if flags is None else flags
     out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
     if "avx_vnni" in flags and "avx2" in flags:
         out += ["-mavxvnni"]

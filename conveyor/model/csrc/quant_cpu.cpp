@@ -37,6 +37,13 @@
 #else
 #define CONVEYOR_INT8_VECTOR 0
 #endif
+// ... and its large steps on AMX-INT8 tiles (x16_amx, defined only here: every other build, AVX-512
+// without AMX included, must not name it; tests/model/test_kernel_builds.py compiles each ISA's build).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define CONVEYOR_INT8_AMX 1
+#else
+#define CONVEYOR_INT8_AMX 0
+#endif
 
 namespace {
 
@@ -673,7 +680,7 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
 // and scaled by block_term lane by lane as on VNNI, so each token's output is the VNNI kernel's, bit
 // for bit, whichever path a step takes (tests/model/test_quant.py). Only whole pairs of A tiles (16
 // tokens) run here; the rest of a step's tokens run on VNNI. Measured alone (benchmarks/gemm_shapes.py).
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if CONVEYOR_INT8_AMX
 constexpr bool kHaveAmx = true;
 constexpr int64_t kTileTokens = 8;    // tokens per A tile (their q rows, then their q2 rows)
 constexpr int64_t kAmxPass = 64;      // tokens per pass over two groups' weights (acc: 64 x 32 floats)
@@ -1055,10 +1062,10 @@ void qgemv_typed(const QInfo& info, const float* x, int64_t M, int64_t K, const 
         return;
     }
     with_quantized(x, M, K, [&](const QuantX& X) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if CONVEYOR_INT8_AMX
         if (use_amx(M)) x16_amx<QT, T>(X, M, K, w, info.N, bias, y, ldy);
         else x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif CONVEYOR_INT8_VECTOR
         x16_impl<QT, T>(X, M, K, w, info.N, bias, y, ldy);
 #else
         x16_portable<QT, T>(X, M, K, w, info.N, bias, y, ldy);
