@@ -14,6 +14,11 @@ Set up vLLM once with `benchmarks/peers/setup_vllm.sh` (its own venv, ~2 minutes
 
 Both engines get max_num_seqs 64 and a 2 GiB KV cache; every other knob is left at its default.
 Writes benchmarks/results/peers.json and a line in docs/benchmarks.md.
+
+`--isa avx2` runs both engines as on an AVX2-only CPU (Haswell to Alder Lake, Zen 1-3) on a CPU that
+has more: Conveyor's kernels built and chosen for "avx2 fma f16c" (CONVEYOR_CPU_FLAGS), vLLM on its
+AVX2 kernel library (isa_avx2/sitecustomize.py), torch, inductor, MKL and oneDNN held to AVX2 for
+both. The instructions are an AVX2 CPU's; the caches, memory and clock are still this CPU's.
 """
 
 from __future__ import annotations
@@ -66,9 +71,21 @@ def model_dir() -> Path:
     return dst
 
 
+# Both engines held to AVX2 (`--isa avx2`): set in this process's environment, which the engines inherit.
+AVX2_ENV = {"CONVEYOR_CPU_FLAGS": "avx2 fma f16c", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "PEER_CPU_ISA": "avx2"}
+
+
+def vllm_path(*paths: Path) -> str:
+    """PYTHONPATH for a vLLM process: with `--isa avx2`, the folder whose sitecustomize hides AVX-512/AMX."""
+    extra = [HERE / "isa_avx2"] if os.environ.get("PEER_CPU_ISA") == "avx2" else []
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return os.pathsep.join(str(p) for p in [*extra, *paths, *inherited])
+
+
 def offline(engine: str, model: Path, dtype: str) -> dict:
     py = VLLM_PY if engine == "vllm" else OUR_PY
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + str(ROOT))
+    env = dict(os.environ, PYTHONPATH=vllm_path(HERE, ROOT) if engine == "vllm" else str(HERE) + os.pathsep + str(ROOT))
     res = subprocess.run([str(py), str(HERE / "offline_worker.py"), engine, str(model), dtype], env=env,
                          capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
@@ -83,7 +100,7 @@ def start_server(engine: str, model: Path, dtype: str, port: int, log: Path) -> 
     if engine == "vllm":
         cmd = [str(VLLM_PY), str(HERE / "vllm_cli.py"), "serve", str(model), "--dtype", dtype, "--port", str(port),
                "--served-model-name", NAME, "--max-num-seqs", "64", "--gpu-memory-utilization", "0.5"]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=vllm_path())
     else:
         cmd = [str(OUR_PY), "-m", "conveyor", "serve", str(model), "--dtype", dtype, "--port", str(port),
                "--served-model-name", NAME, "--max-num-seqs", "64", "--kv-cache-gib", "2", "--log-interval", "0"]
@@ -135,18 +152,24 @@ def main() -> None:
     ap.add_argument("--skip-online", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--name", default="peers")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: both engines as on an AVX2-only CPU (see the module's docstring)")
     args = ap.parse_args()
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENV)
     if not VLLM_PY.exists():
         sys.exit("vLLM is not set up: run benchmarks/peers/setup_vllm.sh first")
     model = model_dir()
     dtypes = args.dtypes.split(",")
-    result = {"model_dir": str(model), "vllm": "vllm-cpu 0.32.0", "offline": {}, "online": {}}
+    result = {"model_dir": str(model), "vllm": "vllm-cpu 0.32.0", "isa": args.isa, "offline": {}, "online": {}}
     for dtype in dtypes if args.rounds > 0 else ():
         runs = {"vllm": [], "conveyor": []}
         for r in range(args.rounds):
             for engine in ("vllm", "conveyor") if r % 2 == 0 else ("conveyor", "vllm"):
                 out = offline(engine, model, dtype)
                 runs[engine].append(out["output_tok_s"])
+                if "kernel_libraries" in out:
+                    result["vllm_kernel_libraries"] = out["kernel_libraries"]
                 print(f"offline {dtype} round {r} {engine}: {out['output_tok_s']:.1f} tok/s", flush=True)
         med = {e: statistics.median(v) for e, v in runs.items()}
         result["offline"][dtype] = {"runs": runs, "median_tok_s": med, "ratio": med["conveyor"] / med["vllm"]}
@@ -173,8 +196,9 @@ def main() -> None:
             c, v = r["conveyor"], r["vllm"]
             parts.append(f"online {d} {rate} req/s: TTFT p99 {c['p99_ttft_ms']:.0f} vs {v['p99_ttft_ms']:.0f} ms, "
                          f"TPOT p50 {c['median_tpot_ms']:.1f} vs {v['median_tpot_ms']:.1f} ms")
-    save(args.name, result, f"Conveyor vs vLLM-CPU 0.32 on {result['machine']['cpu_family']} (same weights, one run): "
-         + "; ".join(parts))
+    isa = " held to AVX2" if args.isa == "avx2" else ""
+    save(args.name, result, f"Conveyor vs vLLM-CPU 0.32 on {result['machine']['cpu_family']}{isa} "
+         "(same weights, one run): " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,17 @@ def run_conveyor(model: str, dtype: str, reqs, max_num_seqs: int) -> float:
                  lambda m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
 
 
+def kernel_libraries() -> list[str]:
+    """vLLM's C++ kernel libraries mapped into this process (`_C` for AVX512-BF16, `_C_AVX512`, `_C_AVX2`):
+    which one its CPU checks picked. The engine's worker process loads it; this process loads it the
+    same way (the same checks, the same environment), to look."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    with open("/proc/self/maps") as f:
+        return sorted({line.rsplit("/", 1)[-1].strip() for line in f if "/vllm/_C" in line})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=("vllm", "conveyor"))
@@ -64,7 +75,8 @@ def main() -> None:
     wall = run(args.model, args.dtype, reqs, args.max_num_seqs)
     tokens = sum(m for _, m in reqs)
     print(json.dumps({"engine": args.engine, "dtype": args.dtype, "wall_s": wall, "output_tokens": tokens,
-                      "output_tok_s": tokens / wall}))
+                      "output_tok_s": tokens / wall,
+                      **({"kernel_libraries": kernel_libraries()} if args.engine == "vllm" else {})}))
 
 
 if __name__ == "__main__":
