@@ -23,15 +23,19 @@ Near saturation (80%) the short-prompt families run a second time on the real en
 between two real runs of one workload is the floor under the simulator's error at this sample size.
 
 Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
-error), preemptions, and the step-cost error of the run's own trace under the three models. Writes JSON
-and a line in docs/benchmarks.md.
+error), preemptions, and the step-cost error of the run's own trace under the three models (overall
+and per shape bucket). With ``--seeds K`` every family and load runs K times, each with requests of
+its own (a speed check before each), and the metrics are taken over the K runs' requests together:
+K times the sample without one run lasting K times as long. Writes JSON and a line in
+docs/benchmarks.md.
 
-    python benchmarks/sim_calibration.py [--requests 60]
+    python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--name sim_calibration]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -44,7 +48,7 @@ from conveyor.profile import profile, speed_check
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import run_on_engine
 from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, simulate
-from conveyor.sim.validate import sustained_calibration, validate
+from conveyor.sim.validate import predicted, step_errors, sustained_calibration, traced_steps
 from conveyor.sim.workload import WorkloadSpec
 
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
@@ -58,14 +62,68 @@ def real_run(engine: Engine, spec: WorkloadSpec) -> tuple[SimResult, object, flo
         time.perf_counter() - t
 
 
-def errors(engine: Engine, spec: WorkloadSpec, real: SimResult, cost: StepCostModel) -> dict:
-    sim = simulate(spec.generate(), cost=cost, seed=spec.seed, **engine_knobs(engine))
-    return {**{m: sim.metric(m) / real.metric(m) - 1 for m in METRICS}, "preemptions": sim.stats.num_preemptions}
+def pooled(results: list[SimResult]) -> dict[str, float]:
+    """The metrics over the requests of several runs taken together: percentiles over all their
+    requests, throughput as all their output tokens over the sum of their durations."""
+    union = SimResult([r for res in results for r in res.records], results[0].stats)
+    out = {m: union.metric(m) for m in METRICS if m != "throughput"}
+    out["throughput"] = sum(r.output_tokens for r in results) / sum(r.sim_time for r in results)
+    return out
+
+
+def relative(sims: list[SimResult], real: dict[str, float]) -> dict[str, float]:
+    sim = pooled(sims)
+    return {**{m: sim[m] / real[m] - 1 for m in METRICS},
+            "preemptions": sum(r.stats.num_preemptions for r in sims)}
+
+
+def family_row(name: str, eng: Engine, knobs: dict, base: dict, saturation: float, cost: StepCostModel,
+               corrected: StepCostModel, speed_cal: float, seeds: list[int]) -> dict:
+    """One workload family at one load, run once per seed on the real engine (a speed check before
+    each run) and in the simulator under the three models; errors of the metrics pooled over the seeds."""
+    specs = [WorkloadSpec(**{**base, **knobs, "seed": seed}) for seed in seeds]
+    preempted = eng.stats().num_preemptions
+    reals, steps, walls, speeds = [], [], [], []
+    for spec in specs:
+        speeds.append(speed_check(eng, cost)["factor"] or 1.0)   # just before the run, against the profile's
+        real, trace, wall = real_run(eng, spec)
+        reals.append(real)
+        walls.append(wall)
+        steps.append(traced_steps(trace))
+    real = pooled(reals)
+    models = {"profile": [cost] * len(specs), "corrected": [corrected] * len(specs),
+              "checked": [corrected.scaled(speed / speed_cal) for speed in speeds]}
+    row = {"family": name, "rate": specs[0].rate, "seeds": seeds, "requests": sum(len(r.records) for r in reals),
+           "wall_s": sum(walls), "speed_factor": statistics.median(speeds), "speed_factors": speeds,
+           "real": {**real, "preemptions": eng.stats().num_preemptions - preempted}}
+    for label, costs in models.items():
+        row[label] = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
+                               for spec, c in zip(specs, costs)], real)
+    for label, costs in models.items():   # each run's steps priced by its model, all runs' steps in one report
+        real_s = sum(s.seconds for run in steps for s in run)
+        model_s = sum(predicted(c, s) for run, c in zip(steps, costs) for s in run)
+        row[f"step_error_{label}"] = {"steps": sum(map(len, steps)), "error": model_s / real_s - 1,
+                                      "per_run": [step_errors(run, c)["all"] for run, c in zip(steps, costs)]}
+        if label != "checked":   # one model for every run: its error per bucket over all of them
+            row[f"step_error_{label}"]["buckets"] = step_errors([s for run in steps for s in run], costs[0])["buckets"]
+    if 0.5 < knobs["rate"] / saturation < 1 and "long" not in name:
+        # The same workloads on the real engine again: how far one run's percentiles are from the
+        # next one's (the floor under any simulator's error at this sample size). The first run's
+        # prompts are in the prefix cache: forgotten, or every prompt of the second run would hit.
+        again = []
+        for spec in specs:
+            eng.core.scheduler.kv.reset_prefix_cache()
+            again.append(real_run(eng, spec)[0])
+        row["real_repeat"] = {m: v for m, v in relative(again, real).items() if m != "preemptions"}
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="runs per family and load, each with its own requests; metrics pooled over them")
+    ap.add_argument("--name", default="sim_calibration", help="results JSON name")
     args = ap.parse_args()
     engine = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none"))
     path = profile_path(engine.model_name, engine.dtype)
@@ -101,28 +159,12 @@ def main() -> None:
                    loaded=engine.loaded)
     runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}))
     rows = []
-    for seed, (name, eng, knobs) in enumerate(runs, start=21):
-        spec = WorkloadSpec(**{**base, **knobs, "seed": seed})
-        preempted = eng.stats().num_preemptions
-        speed = speed_check(eng, cost)["factor"] or 1.0   # just before the run, against the profile's
-        checked = corrected.scaled(speed / speed_cal)
-        real, trace, wall = real_run(eng, spec)
-        row = {"family": name, "rate": spec.rate, "wall_s": wall, "speed_factor": speed,
-               "real": {**{m: real.metric(m) for m in METRICS}, "preemptions": eng.stats().num_preemptions - preempted},
-               "profile": errors(eng, spec, real, cost), "corrected": errors(eng, spec, real, corrected),
-               "checked": errors(eng, spec, real, checked),
-               "step_error_profile": validate(trace, cost)["all"], "step_error_corrected": validate(trace, corrected)["all"],
-               "step_error_checked": validate(trace, checked)["all"]}
-        if 0.5 < knobs["rate"] / saturation < 1 and "long" not in name:
-            # The same workload on the real engine again: how far one run's percentiles are from the
-            # next one's (the floor under any simulator's error at this sample size). The first run's
-            # prompts are in the prefix cache: forgotten, or every prompt of the second run would hit.
-            eng.core.scheduler.kv.reset_prefix_cache()
-            again, _, _ = real_run(eng, spec)
-            row["real_repeat"] = {m: again.metric(m) / real.metric(m) - 1 for m in METRICS}
-        rows.append(row)
-        print(name, f"speed {speed:.3f}", {k: {m: round(v, 3) for m, v in row[k].items()}
-                                            for k in ("profile", "corrected", "checked")},
+    for i, (name, eng, knobs) in enumerate(runs):
+        rows.append(family_row(name, eng, knobs, base, saturation, cost, corrected, speed_cal,
+                               seeds=[21 + i + 100 * j for j in range(args.seeds)]))
+        row = rows[-1]
+        print(name, f"speed {row['speed_factor']:.3f}", {k: {m: round(v, 3) for m, v in row[k].items()}
+                                                         for k in ("profile", "corrected", "checked")},
               "step error", *(round(row[f"step_error_{k}"]["error"], 3) for k in ("profile", "corrected", "checked")),
               "real again", {m: round(v, 3) for m, v in row.get("real_repeat", {}).items()}, flush=True)
 
@@ -132,15 +174,16 @@ def main() -> None:
     line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])} "
                      f"-> {pct(r['checked']['ttft_p50'])}, TPOT p50 {pct(r['profile']['tpot_p50'])} -> "
                      f"{pct(r['corrected']['tpot_p50'])} -> {pct(r['checked']['tpot_p50'])}" for r in rows)
-    save("sim_calibration", {"cost_model": str(path), "saturation_req_s": saturation, "workload": base,
-                             "calibration": fit_report, "speed_factor_at_calibration": speed_cal,
-                             "correction": {"meta": corrected.meta["calibration"],
-                                            "knots": corrected.knots, "decode_scales": corrected.decode_scales,
-                                            "prefill_scales": corrected.prefill_scales,
-                                            "between_steps_s": corrected.between_steps},
-                             "families": rows},
-         "simulator error, profile -> profile + trace correction (fitted on a uniform run at 70%) -> the "
-         "correction scaled by a speed check before each run: " + line)
+    save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "workload": base, "seeds": args.seeds,
+                     "calibration": fit_report, "speed_factor_at_calibration": speed_cal,
+                     "correction": {"meta": corrected.meta["calibration"],
+                                    "knots": corrected.knots, "decode_scales": corrected.decode_scales,
+                                    "prefill_scales": corrected.prefill_scales,
+                                    "between_steps_s": corrected.between_steps},
+                     "families": rows},
+         f"simulator error ({n} requests x {args.seeds} seed(s) per family and load), profile -> profile + trace "
+         "correction (fitted on a uniform run at 70%) -> the correction scaled by a speed check before each run: "
+         + line)
 
 
 if __name__ == "__main__":
