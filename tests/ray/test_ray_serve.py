@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 import sys
 import threading
@@ -52,16 +53,28 @@ def local_server():
 
 
 def _free_ports(n: int) -> int:
-    """A base port with base..base+n-1 all free (KV events: each replica binds the configured port + its rank)."""
-    while True:
-        base = free_port()
+    """A base port with base..base+n-1 all free (KV events: each replica binds the configured port + its rank).
+
+    Drawn below the kernel's ephemeral range and above Ray's worker ports (10002-19999): the Ray
+    processes started after this bind ephemeral ports (each Serve replica its own gRPC server), and
+    one of them took a port free_port() had handed out here, so that a replica could never bind its
+    KV-event socket and Serve restarted it forever (seen with Ray 2.60)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randrange(20000, max(20001, ephemeral - n))
         try:
-            for k in range(1, n):
+            for k in range(n):
                 with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + k))
+                    s.bind(("0.0.0.0", base + k))
             return base
         except OSError:
             continue
+    raise RuntimeError(f"no {n} consecutive free ports below {ephemeral}")
 
 
 KV_EVENTS = {}   # "base": publishers bound at base + 0, + 1 (replica ranks 0, 1); replay sockets at + 2, + 3
