@@ -77,7 +77,8 @@ def load_cpu_kernels():
                       extra_cflags=["-O3", "-ffast-math", "-fopenmp", *flags, _headers_flag()],
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
-        log.warning("C++ paged attention unavailable (%s); using the portable torch path", e)
+        log.warning("the C++ CPU kernels are unavailable (%s): attention, matmuls and fused ops run on the "
+                    "portable torch path, several times slower", e)
         return None
     # AMX tiles for the int8 kernel's large steps (the same bits as VNNI): off to compare.
     module.set_int8_amx(os.environ.get("CONVEYOR_INT8_AMX", "auto") != "off")
