@@ -73,8 +73,7 @@ def load_cpu_kernels():
         _put_ninja_on_path()
 
         flags = _cpu_flags()
-        module = load(name=_module_name(flags), sources=[str(p) for p in _SOURCES],
-                      extra_cflags=["-O3", "-ffast-math", "-fopenmp", *flags, _headers_flag()],
+        module = load(name=_module_name(flags), sources=[str(p) for p in _SOURCES], extra_cflags=cflags(flags),
                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("the C++ CPU kernels are unavailable (%s): attention, matmuls and fused ops run on the "
@@ -83,6 +82,11 @@ def load_cpu_kernels():
     # AMX tiles for the int8 kernel's large steps (the same bits as VNNI): off to compare.
     module.set_int8_amx(os.environ.get("CONVEYOR_INT8_AMX", "auto") != "off")
     return module
+
+
+def cflags(isa_flags: list[str]) -> list[str]:
+    """The kernels' compiler flags beside torch's: optimization, OpenMP, the ISA's (`_cpu_flags`)."""
+    return ["-O3", "-ffast-math", "-fopenmp", *isa_flags, _headers_flag()]
 
 
 def _module_name(flags: list[str]) -> str:

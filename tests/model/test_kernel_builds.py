@@ -2,7 +2,7 @@
 
 A kernel build that fails is not an error at run time: the engine logs a warning and runs the
 portable torch path, several times slower (on 2026-12-06 an AMD Zen4 ran the reference workload at
-~0.3x its speed because quant_cpu.cpp named the AMX kernel in a build for AVX-512 without AMX, and
+~0.6x its speed because quant_cpu.cpp named the AMX kernel in a build for AVX-512 without AMX, and
 every test that needs the kernels skipped). So: the machine's own build must succeed wherever a
 compiler is present, and the sources must compile (``-fsyntax-only``, templates instantiated) with
 the flags `cpu_kernels._cpu_flags` gives each family's CPU, whatever CPU runs the test.
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conveyor.model.cpu_kernels import _SOURCES, _cpu_flags, load_cpu_kernels
+from conveyor.model.cpu_kernels import _SOURCES, _cpu_flags, cflags, load_cpu_kernels
 
 # /proc/cpuinfo flags of each family's CPU, as far as the build looks at them. The AVX2 build is
 # built in full (and run) by test_quant_avx2.py.
@@ -64,8 +64,8 @@ def test_the_kernels_compile_for_each_cpu_family(family):
     flags = _cpu_flags(set(FAMILIES[family].split()))
     if "amx" in family and "-mamx-tile" not in flags:
         pytest.skip("this compiler does not build AMX code")
-    cmd = [*cxx, "-fsyntax-only", "-std=c++20", "-fopenmp", "-DTORCH_EXTENSION_NAME=conveyor_cpu_kernels",
-           "-DTORCH_API_INCLUDE_EXTENSION_H", *flags, *(f"-I{p}" for p in include_paths()),
+    cmd = [*cxx, "-fsyntax-only", "-std=c++20", *cflags(flags), "-DTORCH_EXTENSION_NAME=conveyor_cpu_kernels",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-I{p}" for p in include_paths()),
            f"-I{sysconfig.get_paths()['include']}"]
 
     def compile_one(source):

@@ -50,6 +50,9 @@ namespace {
 using conveyor::narrow;
 using conveyor::widen;
 
+constexpr bool kInt8Vector = CONVEYOR_INT8_VECTOR;
+constexpr bool kHaveAmx = CONVEYOR_INT8_AMX;
+
 enum QType { kQ4_0 = 18, kQ4_1 = 20, kQ5_0 = 22, kQ5_1 = 24, kQ8_0 = 34 };   // bytes per block of 32 weights
 constexpr int kBlock = 32;
 constexpr int kMaxM = 8;    // tokens per pass over the weight
@@ -558,7 +561,6 @@ inline void group_passes(int64_t N, int64_t M, F&& f) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kInt8Vector = true;
 
 // A group's 16 output rows of M tokens (lane j: row n0 + j), plus the bias, into y.
 template <int M, typename T>
@@ -681,7 +683,6 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
 // for bit, whichever path a step takes (tests/model/test_quant.py). Only whole pairs of A tiles (16
 // tokens) run here; the rest of a step's tokens run on VNNI. Measured alone (benchmarks/gemm_shapes.py).
 #if CONVEYOR_INT8_AMX
-constexpr bool kHaveAmx = true;
 constexpr int64_t kTileTokens = 8;    // tokens per A tile (their q rows, then their q2 rows)
 constexpr int64_t kAmxPass = 64;      // tokens per pass over two groups' weights (acc: 64 x 32 floats)
 
@@ -835,9 +836,6 @@ void x16_amx(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N,
         _tile_release();
     });
 }
-#else
-constexpr bool kHaveAmx = false;
-bool amx_permitted() { return false; }
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // ---- AVX2 (no AVX-512): the same int32 dot products, 8 rows at a time -------------------------
@@ -853,9 +851,6 @@ bool amx_permitted() { return false; }
 // each output is the VNNI kernel's to the bit (tests/model/test_quant_avx2.py).
 // With AVX-VNNI (the VEX-encoded vpdpbusd of Alder Lake, Sierra Forest, Zen 5 and later Xeons) the
 // dot products run as on AVX512-VNNI, 8 lanes wide: no int16 step, Q8_0's codes unsigned.
-constexpr bool kInt8Vector = true;
-constexpr bool kHaveAmx = false;
-bool amx_permitted() { return false; }
 #if defined(__AVXVNNI__)
 constexpr bool kSignedQ8 = false;
 #else
@@ -992,10 +987,6 @@ inline void x16_group(const QuantX& X, int64_t m0, int64_t nb, const uint8_t* wg
     }
 }
 
-#else
-constexpr bool kInt8Vector = false;
-constexpr bool kHaveAmx = false;
-bool amx_permitted() { return false; }
 #endif
 
 #if CONVEYOR_INT8_VECTOR
@@ -1007,6 +998,10 @@ void x16_impl(const QuantX& X, int64_t M, int64_t K, const uint8_t* w, int64_t N
         x16_group<QT, decltype(mc)::value>(X, m, nb, w + g * gbytes, bias, y, ldy, g * kRows);
     });
 }
+#endif
+
+#if !CONVEYOR_INT8_AMX
+bool amx_permitted() { return false; }
 #endif
 
 // Whether steps of 16 tokens or more take AMX (set_int8_amx: off to compare; same results).
