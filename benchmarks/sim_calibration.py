@@ -16,8 +16,10 @@ corrected one, each at light load (30% of the simulated saturation) and near it 
 - and forced preemption (a 40-block KV cache, optimistic admission, overloaded at 150%).
 
 A third model, "checked", is the corrected one scaled by a speed check just before each run
-(``conveyor profile --recheck``: the profile's probe steps timed again, against their time at the
-calibration): how much of the error is this shared machine's drift from one run to the next.
+(``conveyor profile --recheck``: the profile's probe steps timed again, their median ratio against the
+median at the calibration; with ``--check by-size`` each probe's ratio against its own then, interpolated
+over the step-cost curve by step size): how much of the error is this shared machine's drift from one run
+to the next.
 
 Near saturation (80%) the short-prompt families run a second time on the real engine: the difference
 between two real runs of one workload is the floor under the simulator's error at this sample size.
@@ -29,7 +31,7 @@ its own (a speed check before each), and the metrics are taken over the K runs' 
 K times the sample without one run lasting K times as long. Writes JSON and a line in
 docs/benchmarks.md.
 
-    python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--name sim_calibration]
+    python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--check median|by-size] [--name NAME]
 """
 
 from __future__ import annotations
@@ -77,24 +79,34 @@ def relative(sims: list[SimResult], real: dict[str, float]) -> dict[str, float]:
             "preemptions": sum(r.stats.num_preemptions for r in sims)}
 
 
+def rescaled(model: StepCostModel, check: dict, then: dict, by_size: bool) -> StepCostModel:
+    """`model` (fitted when the speed check `then` ran) at the speed the check `check` measured: the
+    median ratio against the median then (as ``profile --recheck --rescale``), or with `by_size` each
+    probe step's ratio against its ratio then, over the step-cost curve by step size."""
+    by_tokens = {n: r / then["by_tokens"][n] for n, r in check["by_tokens"].items() if n in then["by_tokens"]}
+    return model.scaled((check["factor"] or 1.0) / (then["factor"] or 1.0), by_tokens if by_size else None)
+
+
 def family_row(name: str, eng: Engine, knobs: dict, base: dict, saturation: float, cost: StepCostModel,
-               corrected: StepCostModel, speed_cal: float, seeds: list[int]) -> dict:
+               corrected: StepCostModel, calibration_check: dict, seeds: list[int], by_size: bool) -> dict:
     """One workload family at one load, run once per seed on the real engine (a speed check before
     each run) and in the simulator under the three models; errors of the metrics pooled over the seeds."""
     specs = [WorkloadSpec(**{**base, **knobs, "seed": seed}) for seed in seeds]
     preempted = eng.stats().num_preemptions
-    reals, steps, walls, speeds = [], [], [], []
+    reals, steps, walls, checks = [], [], [], []
     for spec in specs:
-        speeds.append(speed_check(eng, cost)["factor"] or 1.0)   # just before the run, against the profile's
+        checks.append(speed_check(eng, cost))   # just before the run, against the profile's probe times
         real, trace, wall = real_run(eng, spec)
         reals.append(real)
         walls.append(wall)
         steps.append(traced_steps(trace))
     real = pooled(reals)
     models = {"profile": [cost] * len(specs), "corrected": [corrected] * len(specs),
-              "checked": [corrected.scaled(speed / speed_cal) for speed in speeds]}
+              "checked": [rescaled(corrected, check, calibration_check, by_size) for check in checks]}
+    speeds = [c["factor"] or 1.0 for c in checks]
     row = {"family": name, "rate": specs[0].rate, "seeds": seeds, "requests": sum(len(r.records) for r in reals),
            "wall_s": sum(walls), "speed_factor": statistics.median(speeds), "speed_factors": speeds,
+           "speed_by_tokens": [c["by_tokens"] for c in checks],
            "real": {**real, "preemptions": eng.stats().num_preemptions - preempted}}
     for label, costs in models.items():
         row[label] = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
@@ -124,6 +136,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1,
                     help="runs per family and load, each with its own requests; metrics pooled over them")
     ap.add_argument("--name", default="sim_calibration", help="results JSON name")
+    ap.add_argument("--check", choices=("median", "by-size"), default="median",
+                    help="the checked model: the corrected one scaled by the speed check's median ratio (as "
+                         "`profile --recheck --rescale`), or by each probe's ratio over the step-cost curve by size")
     args = ap.parse_args()
     engine = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none"))
     path = profile_path(engine.model_name, engine.dtype)
@@ -138,7 +153,7 @@ def main() -> None:
     saturation = saturation_rate(WorkloadSpec(**base, seed=100).generate(), cost, **engine_knobs(engine))
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
-    speed_cal = speed_check(engine, cost)["factor"] or 1.0   # the machine's speed when the calibration ran
+    calibration_check = speed_check(engine, cost)   # the machine's speed when the calibration ran
     t = time.perf_counter()
     corrected, fit_report = sustained_calibration(engine, cost, requests=n)
     wall = time.perf_counter() - t
@@ -160,8 +175,8 @@ def main() -> None:
     runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}))
     rows = []
     for i, (name, eng, knobs) in enumerate(runs):
-        rows.append(family_row(name, eng, knobs, base, saturation, cost, corrected, speed_cal,
-                               seeds=[21 + i + 100 * j for j in range(args.seeds)]))
+        rows.append(family_row(name, eng, knobs, base, saturation, cost, corrected, calibration_check,
+                               seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size"))
         row = rows[-1]
         print(name, f"speed {row['speed_factor']:.3f}", {k: {m: round(v, 3) for m, v in row[k].items()}
                                                          for k in ("profile", "corrected", "checked")},
@@ -175,7 +190,7 @@ def main() -> None:
                      f"-> {pct(r['checked']['ttft_p50'])}, TPOT p50 {pct(r['profile']['tpot_p50'])} -> "
                      f"{pct(r['corrected']['tpot_p50'])} -> {pct(r['checked']['tpot_p50'])}" for r in rows)
     save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "workload": base, "seeds": args.seeds,
-                     "calibration": fit_report, "speed_factor_at_calibration": speed_cal,
+                     "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
                      "correction": {"meta": corrected.meta["calibration"],
                                     "knots": corrected.knots, "decode_scales": corrected.decode_scales,
                                     "prefill_scales": corrected.prefill_scales,

@@ -154,6 +154,7 @@ def step_shapes(engine: Engine, quick: bool = False) -> list[tuple[str, Callable
 
 
 AFTER_PREFILL_TOKENS = (16, 64, 256)
+AFTER_PREFILL_MAX = 1024
 AFTER_PREFILL_STEPS = 16
 
 
@@ -268,7 +269,11 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
     then = cost.meta.get("probe") or {}
     now = probe_times(engine, repeats)
     ratios = {k: now[k] / then[k] for k in now if then.get(k)}
-    return {"now_s": now, "then_s": then, "ratios": ratios,
+    # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
+    # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
+    # `--rescale` takes the median: on the Zen4 the by-size scaling predicted no better (docs/simulator.md).
+    by_tokens = {n: ratios[f"{kind} {n}@{ctx}"] for kind, n, ctx in PROBE if f"{kind} {n}@{ctx}" in ratios}
+    return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
             "factor": statistics.median(ratios.values()) if ratios else None}
 
 
@@ -339,7 +344,10 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: in
     passes = passes or (1 if quick else 3)
     min_seconds = 0.0 if quick else MIN_SECONDS
     swap_sizes = (8, 64) if quick else (8, 32, 128)
-    transitions = (64,) if quick else AFTER_PREFILL_TOKENS
+    # The decode steps after chunks of AFTER_PREFILL_TOKENS and after one as large as the step budget (up to
+    # AFTER_PREFILL_MAX): long prompts' decode steps mostly follow such chunks.
+    budget = min(engine.config.scheduler.max_num_batched_tokens, AFTER_PREFILL_MAX)
+    transitions = (64,) if quick else sorted({*AFTER_PREFILL_TOKENS, max(budget, AFTER_PREFILL_TOKENS[0])})
     bar = tqdm(total=passes * len(shapes) + len(transitions) + len(swap_sizes) + 3, desc="profiling",
                unit="shape", disable=not progress)
     measured: list[list[float]] = [[] for _ in shapes]

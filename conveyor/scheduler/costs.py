@@ -177,11 +177,21 @@ class StepCostModel:
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_block
 
-    def scaled(self, factor: float) -> StepCostModel:
+    def scaled(self, factor: float, by_tokens: dict[int, float] | None = None) -> StepCostModel:
         """This model on a machine `factor` times slower (every time it prices multiplied by it):
         what a speed check (``conveyor profile --recheck``) applies when the machine runs at another
-        speed than when it was profiled."""
-        return replace(self, knot_costs=[c * factor for c in self.knot_costs],
+        speed than when it was profiled. With `by_tokens` (a step's token count -> its factor, as the
+        check measures them per probe step) the step-cost curve takes the factor interpolated at each
+        knot's token count instead (flat past the ends): on a shared machine the small,
+        memory-bound steps and the large, compute-bound ones drift apart (on a Zen4 VM a batch-1
+        decode step ran 1.3-1.75x its profiled time while 32-sequence steps ran 0.85x); every other
+        term takes `factor`."""
+        knot_factors = [factor] * len(self.knots)
+        if by_tokens:
+            sizes, factors = map(list, zip(*sorted(by_tokens.items())))
+            knot_factors = [sum(w * f for w, f in zip(hat_weights(sizes, min(max(k, sizes[0]), sizes[-1])), factors))
+                            for k in self.knots]
+        return replace(self, knot_costs=[c * f for c, f in zip(self.knot_costs, knot_factors)],
                        decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
                        sampled=self.sampled * factor, seq=self.seq * factor, swap_block=self.swap_block * factor,
                        between_steps=self.between_steps * factor,

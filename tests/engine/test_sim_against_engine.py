@@ -137,8 +137,9 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
 
 def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_path):
     """`conveyor profile --recheck [--rescale]`: a profile keeps a few of its step shapes' times (its
-    probe); a later check times them again and gives the machine's drift as their median ratio; the
-    rescaled profile prices every step by that factor and compares the next check with the new times.
+    probe); a later check times them again and gives the machine's drift as their median ratio (and each
+    one's ratio by its token count); the rescaled profile prices every step by that factor and compares the
+    next check with the new times.
     A profile's sweeps (`passes`) give one sample per shape; it measures the decode steps after a chunk."""
     import statistics
 
@@ -160,6 +161,8 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     factor = check["factor"]
     assert check["then_s"] == probe and set(check["ratios"]) == set(probe)
     assert factor == pytest.approx(statistics.median(check["now_s"][k] / probe[k] for k in probe))
+    assert check["by_tokens"] == {1: check["ratios"]["decode 1@128"], 8: check["ratios"]["decode 8@128"],
+                                  256: check["ratios"]["prefill 256@0"]}
     saved = StepCostModel.load(path)
     shape = StepShape(prefill_tokens=40, decode_tokens=3, decode_context=300, prefill_attention=900, num_seqs=4,
                       num_sampled=4)

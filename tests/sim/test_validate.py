@@ -176,6 +176,23 @@ def test_a_scaled_model_prices_every_step_and_copy_by_the_factor():
     assert slow.metric("tpot_p50") > fast.metric("tpot_p50")
 
 
+def test_a_check_by_step_size_scales_the_curve_between_its_probes():
+    """`scaled(factor, by_tokens)`: the step-cost curve takes each probe step's factor at its token count,
+    interpolated between them and flat past them; every other term takes `factor`."""
+    scaled = PROFILE.scaled(1.1, {1: 1.5, 8: 1.0, 256: 0.8})
+    for tokens, f in ((1, 1.5), (8, 1.0), (256, 0.8), (1024, 0.8)):
+        assert scaled.token_cost(tokens) == pytest.approx(f * PROFILE.token_cost(tokens))
+    # between two probes the factor is the line between theirs at each knot
+    k = next(k for k in PROFILE.knots if 8 < k < 256)
+    assert scaled.token_cost(k) == pytest.approx((1.0 + (0.8 - 1.0) * (k - 8) / 248) * PROFILE.token_cost(k))
+    assert scaled.decode_context == pytest.approx(1.1 * PROFILE.decode_context)
+    assert scaled.swap_time(3) == pytest.approx(1.1 * PROFILE.swap_time(3))
+    assert PROFILE.scaled(1.1, {}).knot_costs == pytest.approx([1.1 * c for c in PROFILE.knot_costs])
+    # a decode step of one sequence costs more, a large chunk less: the schedule's latencies move apart
+    small = StepShape(decode_tokens=1, decode_context=100, num_seqs=1, num_sampled=1)
+    assert scaled.shape_time(small) > 1.3 * PROFILE.shape_time(small)
+
+
 def test_profile_timing_runs_short_steps_for_a_minimum_time(monkeypatch):
     """A shape is run once to warm up, then `repeats` times, and more while less than `min_seconds`
     have passed (a clock that advances 125 ms per run here), never more than MAX_REPEATS."""
