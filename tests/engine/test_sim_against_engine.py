@@ -44,7 +44,9 @@ def test_a_replayed_engine_run_schedules_identically(make_engine, seed):
 
 def test_profile_fits_the_runner_and_drives_auto_preemption(make_engine, tmp_path):
     engine = make_engine(max_num_seqs=8)
-    model = profile(engine, quick=True, repeats=1, progress=False)
+    # three sweeps: each shape's cost the median of three timings, so one hiccup of a busy machine on a
+    # sub-millisecond step cannot make the fit look bad (one sweep failed the bound once in a full suite, 1.24)
+    model = profile(engine, quick=True, repeats=1, passes=3, progress=False)
     fit = model.meta["fit"]
     assert fit["samples"] >= 8 and fit["mean_abs_rel_error"] < 0.5
     assert all(c > 0 for c in model.knot_costs) and model.swap_block > 0 and model.kv_bytes_per_token > 0
