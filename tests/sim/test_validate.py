@@ -188,7 +188,7 @@ def test_a_check_by_step_size_scales_the_curve_between_its_probes():
     assert scaled.decode_context == pytest.approx(1.1 * PROFILE.decode_context)
     assert scaled.swap_time(3) == pytest.approx(1.1 * PROFILE.swap_time(3))
     assert PROFILE.scaled(1.1, {}).knot_costs == pytest.approx([1.1 * c for c in PROFILE.knot_costs])
-    # a decode step of one sequence costs more, a large chunk less: the schedule's latencies move apart
+    # a decode step of one sequence takes the small steps' factor, not the median's
     small = StepShape(decode_tokens=1, decode_context=100, num_seqs=1, num_sampled=1)
     assert scaled.shape_time(small) > 1.3 * PROFILE.shape_time(small)
 
