@@ -230,6 +230,11 @@ WARM_UP_SECONDS = 1.0
 PROBE = (("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128), ("prefill", 256, 0))
 
 
+def probe_label(kind: str, n: int, ctx: int) -> str:
+    """A probe step's name in ``meta.probe`` and the checks: ``decode 8@128``, ``prefill 256@0``."""
+    return f"{kind} {n}@{ctx}"
+
+
 def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
     """Median seconds of each ``PROBE`` step that fits this engine's batch and KV cache, by label
     (``decode 8@128``: 8 sequences at 128 tokens of context; ``prefill 256@0``: a 256-token chunk).
@@ -247,7 +252,7 @@ def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
             if ctx + n > min(engine.max_model_len, plans.capacity):
                 continue
             seqs = [plans.seq(ctx, n)]
-        built[f"{kind} {n}@{ctx}"] = seqs
+        built[probe_label(kind, n, ctx)] = seqs
     # Warm up first: in a fresh process the first 0.1-0.3 s of steps ran up to 1.5x slower (batch 1
     # decoding 5.3 instead of 3.5 ms), more than one warm-up step absorbs.
     start = time.perf_counter()
@@ -272,7 +277,7 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
     # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
     # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
     # `--rescale` takes the median: on the Zen4 the by-size scaling predicted no better (docs/simulator.md).
-    by_tokens = {n: ratios[f"{kind} {n}@{ctx}"] for kind, n, ctx in PROBE if f"{kind} {n}@{ctx}" in ratios}
+    by_tokens = {n: ratios[probe_label(kind, n, ctx)] for kind, n, ctx in PROBE if probe_label(kind, n, ctx) in ratios}
     return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
             "factor": statistics.median(ratios.values()) if ratios else None}
 
