@@ -230,9 +230,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     setup = Setup(args)
     if not isinstance(setup.cost, StepCostModel):
         raise ValueError("--validate checks a profile (a step-cost model), not a roofline model")
-    trace = StepTracer.load(args.validate)
-    print(f"cost model: {setup.describe}\ntrace: {args.validate} ({len(trace.records)} steps, "
-          f"{trace.meta.get('source', '?')}, {trace.meta.get('model', '?')})")
+    trace = [StepTracer.load(path) for path in args.validate]
+    print(f"cost model: {setup.describe}")
+    for path, t in zip(args.validate, trace):
+        print(f"trace: {path} ({len(t.records)} steps, {t.meta.get('source', '?')}, {t.meta.get('model', '?')})")
     if args.calibrate:
         corrected, report = calibrate(trace, setup.cost)
         print(format_errors(report["before"], f"held-out steps ({report['held_out_steps']}; fitted on "
@@ -245,7 +246,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         report = validate(trace, setup.cost)
         print(format_errors(report, "every step of the trace:"))
     if args.out:
-        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": args.validate, **report},
+        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": args.validate if len(args.validate) > 1 else args.validate[0], **report},
                                              indent=1, default=str))
     return 0
 
@@ -323,9 +324,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    f"({', '.join(MODEL_PRESETS)}) or an HF config.json")
     c.add_argument("--tensor-parallel", type=int, default=1, help="with --gpu: GPUs per replica")
     c.add_argument("--efficiency", help="with --gpu: compute=0.5,bandwidth=0.8,overhead_ms=0.5")
-    c.add_argument("--validate", metavar="TRACE",
+    c.add_argument("--validate", metavar="TRACE", nargs="+",
                    help="instead of simulating: price every step of a real engine's step trace (conveyor serve "
-                        "--step-trace) with the cost model and report the error per step shape")
+                        "--step-trace; several: pooled, e.g. a server's last few runs) with the cost model and "
+                        "report the error per step shape")
     c.add_argument("--calibrate", metavar="OUT",
                    help="with --validate: fit a correction on half of the trace's steps (reported on the other "
                         "half) and write the corrected profile to OUT")

@@ -26,6 +26,7 @@ No torch.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -144,9 +145,15 @@ def step_errors(steps: list[TracedStep], cost: StepCostModel) -> dict:
     return {"buckets": rows, "all": summary(steps)}
 
 
-def validate(trace: StepTracer, cost: StepCostModel) -> dict:
-    report = step_errors(traced_steps(trace), cost)
-    gaps = gaps_between_steps(trace)
+def _traces(trace: StepTracer | Sequence[StepTracer]) -> list[StepTracer]:
+    return [trace] if isinstance(trace, StepTracer) else list(trace)
+
+
+def validate(trace: StepTracer | Sequence[StepTracer], cost: StepCostModel) -> dict:
+    """Every busy step of the trace (or of several traces, pooled) priced by `cost`, per bucket."""
+    traces = _traces(trace)
+    report = step_errors([s for t in traces for s in traced_steps(t)], cost)
+    gaps = [g for t in traces for g in gaps_between_steps(t)]
     cycle = report["all"]["real_ms"] * 1e-3
     report["between_steps"] = {
         "steps": len(gaps), "median_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
@@ -185,11 +192,14 @@ def _fit_curve(cost: StepCostModel, steps: list[TracedStep], between: float) -> 
     return np.maximum(coef, 0.05).tolist()
 
 
-def calibrate(trace: StepTracer, cost: StepCostModel, run: int = RUN) -> tuple[StepCostModel, dict]:
+def calibrate(trace: StepTracer | Sequence[StepTracer], cost: StepCostModel,
+              run: int = RUN) -> tuple[StepCostModel, dict]:
     """The cost model with a correction fitted on alternate runs of `run` steps of the trace (any
     correction it had replaced), and a report of the other steps' errors with the model as given
-    ("before") and corrected ("after")."""
-    steps = traced_steps(trace)
+    ("before") and corrected ("after"). Several traces (e.g. the last few runs of a server whose
+    machine drifts) are pooled, each split into its own alternate runs."""
+    traces = _traces(trace)
+    steps = [s for t in traces for s in traced_steps(t)]   # indices within each trace
     train = [s for s in steps if (s.index // run) % 2 == 0]
     held_out = [s for s in steps if (s.index // run) % 2 == 1]
     if not train or not held_out:
@@ -205,7 +215,8 @@ def calibrate(trace: StepTracer, cost: StepCostModel, run: int = RUN) -> tuple[S
               "between_steps_ms": 1e3 * corrected.between_steps,
               "before": step_errors(held_out, cost), "after": step_errors(held_out, corrected)}
     corrected.meta = {**cost.meta, "calibration": {
-        "trace": trace.meta, "fit_steps": len(train), "held_out_steps": len(held_out),
+        "trace": traces[0].meta if len(traces) == 1 else [t.meta for t in traces],
+        "fit_steps": len(train), "held_out_steps": len(held_out),
         "held_out_error_before": report["before"]["all"]["error"],
         "held_out_error_after": report["after"]["all"]["error"],
         "held_out_mean_abs_error_before": report["before"]["all"]["mean_abs_error"],

@@ -99,6 +99,30 @@ def test_calibration_removes_the_error_on_held_out_steps():
     assert worst_error(PROFILE) > 0.15
 
 
+def test_calibration_pools_several_traces(tmp_path, capsys):
+    """A server's last few runs, pooled: each trace split into its own fit and held-out runs, every
+    shape any of them ran corrected."""
+    from conveyor.cli import main
+
+    light, heavy = real_trace(seed=1, rate=0.5), real_trace(seed=2)
+    assert max(s.shape.tokens for s in traced_steps(light) if s.kind == "decode") <= 8   # light: never past the GEMV
+    alone, _ = calibrate(light, PROFILE)
+    assert alone.decode_scales[4:6] == [1.0, 1.0]   # so alone it says nothing about the switch
+    pooled, report = calibrate([light, heavy], PROFILE)
+    assert report["fit_steps"] + report["held_out_steps"] == len(traced_steps(light)) + len(traced_steps(heavy))
+    assert min(pooled.decode_scales[4:6]) > 1.3   # with the heavy run it finds it
+    assert len(pooled.meta["calibration"]["trace"]) == 2
+    assert validate([light, heavy], PROFILE)["all"]["steps"] == report["fit_steps"] + report["held_out_steps"]
+    paths = [tmp_path / "light.json", tmp_path / "heavy.json"]
+    light.save(paths[0])
+    heavy.save(paths[1])
+    PROFILE.save(tmp_path / "profile.json")
+    assert main(["simulate", "--validate", *map(str, paths), "--cost-model", str(tmp_path / "profile.json"),
+                 "--calibrate", str(tmp_path / "fixed.json")]) == 0
+    assert capsys.readouterr().out.count("trace: ") == 2
+    assert StepCostModel.load(tmp_path / "fixed.json").decode_scales == pytest.approx(pooled.decode_scales)
+
+
 def test_a_corrected_profile_round_trips_and_refuses_bad_curves(tmp_path):
     corrected, _ = calibrate(real_trace(), PROFILE)
     corrected.save(tmp_path / "p.json")
