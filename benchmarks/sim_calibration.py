@@ -6,7 +6,11 @@ sustained_calibration`): a short sustained run (uniform prompts 32-256 and outpu
 at 70% of the simulated saturation rate) through the real engine with a step trace, the correction
 fitted on half of its steps and reported on the other half. Then workload families that were not
 in the fit run on the real engine and in the simulator, with the profile as it is and with the
-corrected one, each at light load (30% of the simulated saturation) and near it (80%):
+corrected one, each at light load (30% of its simulated saturation) and near it (80%). The saturation is
+each family's own (``--load-of family``, the default since 2026-12-06: the rate at which the simulated engine
+completes that family's requests all arriving at once); before, every family ran at fractions of the uniform
+workload's (``--load-of uniform``), which overloaded the long-prompt family even at "30%" (TTFT p50 40 s: a
+queue, not a step cost) and left the heavy-tailed and shared-prefix ones far from saturation at "80%":
 
 - uniform (the calibration's distributions, other seeds);
 - heavy-tailed outputs (lognormal, median 32, up to 400);
@@ -21,11 +25,17 @@ median at the calibration; with ``--check by-size`` each probe's ratio against i
 over the step-cost curve by step size): how much of the error is this shared machine's drift from one run
 to the next.
 
+A fourth model, "recent", follows the machine the way a server could: the profile corrected on the step
+traces of the last few real runs (``--recent N``, default 4: the two cells before, at two seeds), as
+``conveyor simulate --validate A.json B.json --calibrate`` pools a server's recent traces. The cells run
+by load (every family at 30%, then every family at 80%), so those runs are always other families; the
+first cell gets the calibration run's correction.
+
 Near saturation (80%) the short-prompt families run a second time on the real engine: the difference
 between two real runs of one workload is the floor under the simulator's error at this sample size.
 
 Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
-error), preemptions, and the step-cost error of the run's own trace under the three models (overall
+error), preemptions, and the step-cost error of the run's own trace under the four models (overall
 and per shape bucket). With ``--seeds K`` every family and load runs K times, each with requests of
 its own (a speed check before each), and the metrics are taken over the K runs' requests together:
 K times the sample without one run lasting K times as long. Writes JSON and a line in
@@ -50,9 +60,10 @@ from conveyor.profile import profile, speed_check
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import run_on_engine
 from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, simulate
-from conveyor.sim.validate import predicted, step_errors, sustained_calibration, traced_steps
+from conveyor.sim.validate import calibrate, predicted, step_errors, sustained_calibration, traced_steps
 from conveyor.sim.workload import WorkloadSpec
 
+MODELS = ("profile", "corrected", "checked", "recent")
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
 
 
@@ -88,23 +99,28 @@ def rescaled(model: StepCostModel, check: dict, then: dict, by_size: bool) -> St
 
 
 def family_row(name: str, eng: Engine, knobs: dict, base: dict, saturation: float, cost: StepCostModel,
-               corrected: StepCostModel, calibration_check: dict, seeds: list[int], by_size: bool) -> dict:
+               corrected: StepCostModel, calibration_check: dict, recent: StepCostModel, seeds: list[int],
+               by_size: bool) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
-    each run) and in the simulator under the three models; errors of the metrics pooled over the seeds."""
+    each run) and in the simulator under the four models; errors of the metrics pooled over the seeds.
+    Also returns the real runs' step traces."""
     specs = [WorkloadSpec(**{**base, **knobs, "seed": seed}) for seed in seeds]
     preempted = eng.stats().num_preemptions
-    reals, steps, walls, checks = [], [], [], []
+    reals, steps, walls, checks, traces = [], [], [], [], []
     for spec in specs:
         checks.append(speed_check(eng, cost))   # just before the run, against the profile's probe times
         real, trace, wall = real_run(eng, spec)
         reals.append(real)
         walls.append(wall)
         steps.append(traced_steps(trace))
+        traces.append(trace)
     real = pooled(reals)
     models = {"profile": [cost] * len(specs), "corrected": [corrected] * len(specs),
-              "checked": [rescaled(corrected, check, calibration_check, by_size) for check in checks]}
+              "checked": [rescaled(corrected, check, calibration_check, by_size) for check in checks],
+              "recent": [recent] * len(specs)}
     speeds = [c["factor"] or 1.0 for c in checks]
-    row = {"family": name, "rate": specs[0].rate, "seeds": seeds, "requests": sum(len(r.records) for r in reals),
+    row = {"family": name, "rate": specs[0].rate, "saturation_req_s": saturation, "seeds": seeds,
+           "requests": sum(len(r.records) for r in reals),
            "wall_s": sum(walls), "speed_factor": statistics.median(speeds), "speed_factors": speeds,
            "speed_by_tokens": [c["by_tokens"] for c in checks],
            "real": {**real, "preemptions": eng.stats().num_preemptions - preempted}}
@@ -127,7 +143,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base: dict, saturation: floa
             eng.core.scheduler.kv.reset_prefix_cache()
             again.append(real_run(eng, spec)[0])
         row["real_repeat"] = {m: v for m, v in relative(again, real).items() if m != "preemptions"}
-    return row
+    return row, traces
 
 
 def main() -> None:
@@ -136,6 +152,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1,
                     help="runs per family and load, each with its own requests; metrics pooled over them")
     ap.add_argument("--name", default="sim_calibration", help="results JSON name")
+    ap.add_argument("--load-of", choices=("family", "uniform"), default="family",
+                    help="loads as fractions of each family's own simulated saturation, or of the uniform workload's")
+    ap.add_argument("--families", help="comma-separated (parts of) family names to run; all by default")
+    ap.add_argument("--recent", type=int, default=4,
+                    help="the recent model: the profile corrected on the step traces of the last N real runs")
     ap.add_argument("--check", choices=("median", "by-size"), default="median",
                     help="the checked model: the corrected one scaled by the speed check's median ratio (as "
                          "`profile --recheck --rescale`), or by each probe's ratio over the step-cost curve by size")
@@ -167,29 +188,44 @@ def main() -> None:
     shapes = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32:1.0:400"),
               "bursty (gamma CV 3)": dict(arrival="gamma:3"), "shared prefixes": dict(prefix_groups=4, prefix_len=128),
               "long prompts": dict(prompt_len="600:1500")}
-    runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * saturation})
-            for name, knobs in shapes.items() for load in (0.3, 0.8)]
+    own = {name: saturation_rate(WorkloadSpec(**{**base, **knobs}, seed=100).generate(), cost, **engine_knobs(engine))
+           if args.load_of == "family" else saturation for name, knobs in shapes.items()}
+    print("saturation per family (req/s):", {name: round(r, 2) for name, r in own.items()}, flush=True)
+    runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * own[name]}, own[name])
+            for load in (0.3, 0.8) for name, knobs in shapes.items()]   # by load: the recent runs are other families
     small = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
                                              num_kv_blocks=40, admission_policy="optimistic", min_resident_steps=2),
                    loaded=engine.loaded)
-    runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}))
-    rows = []
-    for i, (name, eng, knobs) in enumerate(runs):
-        rows.append(family_row(name, eng, knobs, base, saturation, cost, corrected, calibration_check,
-                               seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size"))
-        row = rows[-1]
+    runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}, saturation))   # of the uniform's
+    if args.families:
+        wanted = [w.strip() for w in args.families.split(",")]
+        runs = [run for run in runs if any(w in run[0] for w in wanted)]
+    rows, window = [], []   # window: (cell, trace) of the last real runs
+    recent = corrected
+    for i, (name, eng, knobs, capacity) in enumerate(runs):
+        if window:
+            recent, _ = calibrate([t for _, t in window], cost)
+        row, traces = family_row(name, eng, knobs, base, capacity, cost, corrected, calibration_check, recent,
+                                 seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size")
+        row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
+        row["recent_correction"] = {"decode_scales": recent.decode_scales, "prefill_scales": recent.prefill_scales,
+                                    "between_steps_s": recent.between_steps}
+        rows.append(row)
+        window = [*window, *((name, t) for t in traces)][-args.recent:]
         print(name, f"speed {row['speed_factor']:.3f}", {k: {m: round(v, 3) for m, v in row[k].items()}
-                                                         for k in ("profile", "corrected", "checked")},
-              "step error", *(round(row[f"step_error_{k}"]["error"], 3) for k in ("profile", "corrected", "checked")),
+                                                         for k in MODELS},
+              "step error", *(round(row[f"step_error_{k}"]["error"], 3) for k in MODELS),
               "real again", {m: round(v, 3) for m, v in row.get("real_repeat", {}).items()}, flush=True)
 
     def pct(x: float) -> str:
         return f"{100 * x:+.0f}%"
 
     line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])} "
-                     f"-> {pct(r['checked']['ttft_p50'])}, TPOT p50 {pct(r['profile']['tpot_p50'])} -> "
-                     f"{pct(r['corrected']['tpot_p50'])} -> {pct(r['checked']['tpot_p50'])}" for r in rows)
-    save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "workload": base, "seeds": args.seeds,
+                     f"-> {pct(r['checked']['ttft_p50'])} -> {pct(r['recent']['ttft_p50'])}, TPOT p50 "
+                     f"{pct(r['profile']['tpot_p50'])} -> {pct(r['corrected']['tpot_p50'])} -> "
+                     f"{pct(r['checked']['tpot_p50'])} -> {pct(r['recent']['tpot_p50'])}" for r in rows)
+    save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "load_of": args.load_of,
+                     "saturation_per_family_req_s": own, "workload": base, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
                      "correction": {"meta": corrected.meta["calibration"],
                                     "knots": corrected.knots, "decode_scales": corrected.decode_scales,
@@ -197,7 +233,8 @@ def main() -> None:
                                     "between_steps_s": corrected.between_steps},
                      "families": rows},
          f"simulator error ({n} requests x {args.seeds} seed(s) per family and load), profile -> profile + trace "
-         "correction (fitted on a uniform run at 70%) -> the correction scaled by a speed check before each run: "
+         "correction (fitted on a uniform run at 70%) -> the correction scaled by a speed check before each run -> "
+         f"the profile corrected on the last {args.recent} real runs' traces (other families): "
          + line)
 
 
