@@ -223,7 +223,7 @@ SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arriv
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """--validate TRACE [--calibrate OUT]: the cost model against a real engine's step trace."""
+    """--validate TRACE [TRACE ...] [--calibrate OUT]: the cost model against real engine step traces."""
     from conveyor.engine.trace import StepTracer
     from conveyor.sim.validate import calibrate, format_errors, validate
 
@@ -246,7 +246,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         report = validate(trace, setup.cost)
         print(format_errors(report, "every step of the trace:"))
     if args.out:
-        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": args.validate if len(args.validate) > 1 else args.validate[0], **report},
+        traces = args.validate if len(args.validate) > 1 else args.validate[0]
+        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": traces, **report},
                                              indent=1, default=str))
     return 0
 
