@@ -284,7 +284,8 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
     # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
     # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
     # `--rescale` takes the median: on the Zen4 the by-size scaling predicted no better (docs/simulator.md).
-    by_tokens = {n: ratios[probe_label(kind, n, ctx)] for kind, n, ctx in PROBE if probe_label(kind, n, ctx) in ratios}
+    labels = {n: probe_label(kind, n, ctx) for kind, n, ctx in PROBE}
+    by_tokens = {n: ratios[label] for n, label in labels.items() if label in ratios}
     return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
             "factor": statistics.median(ratios.values()) if ratios else None}
 

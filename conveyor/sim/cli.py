@@ -230,12 +230,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     setup = Setup(args)
     if not isinstance(setup.cost, StepCostModel):
         raise ValueError("--validate checks a profile (a step-cost model), not a roofline model")
-    trace = [StepTracer.load(path) for path in args.validate]
+    traces = [StepTracer.load(path) for path in args.validate]
     print(f"cost model: {setup.describe}")
-    for path, t in zip(args.validate, trace):
+    for path, t in zip(args.validate, traces):
         print(f"trace: {path} ({len(t.records)} steps, {t.meta.get('source', '?')}, {t.meta.get('model', '?')})")
     if args.calibrate:
-        corrected, report = calibrate(trace, setup.cost)
+        corrected, report = calibrate(traces, setup.cost)
         print(format_errors(report["before"], f"held-out steps ({report['held_out_steps']}; fitted on "
                                               f"{report['fit_steps']}), the profile as it is:"))
         print(format_errors(report["after"], "the same steps, corrected:"))
@@ -243,11 +243,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         corrected.save(args.calibrate)
         print(f"wrote {args.calibrate} (use it with --cost-model {args.calibrate})")
     else:
-        report = validate(trace, setup.cost)
+        report = validate(traces, setup.cost)
         print(format_errors(report, "every step of the trace:"))
     if args.out:
-        traces = args.validate if len(args.validate) > 1 else args.validate[0]
-        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": traces, **report},
+        paths = args.validate if len(args.validate) > 1 else args.validate[0]
+        Path(args.out).write_text(json.dumps({"cost_model": setup.describe, "trace": paths, **report},
                                              indent=1, default=str))
     return 0
 
