@@ -65,7 +65,8 @@ class _Plans:
     (`scattered`, the default): a serving engine's free list hands out blocks scattered over the
     cache once requests have come and gone, and on the Zen4 a decode step reading 1,024 tokens of
     context per sequence from scattered blocks took 1.3-1.6x as long as from consecutive ones (the
-    profile's tables until 2026-12-06), which priced long prompts' decode steps 15-44% short."""
+    profile's tables until 2026-12-06), which priced long prompts' decode steps 15-44% short. (Since
+    the attention kernel's L2 prefetch, 1.1-1.2x: benchmarks/kv_scatter.py.)"""
 
     def __init__(self, engine: Engine, seed: int = 0, prefix: str = "p", scattered: bool = True):
         self.block_size = engine.config.block_size

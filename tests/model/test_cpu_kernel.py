@@ -97,3 +97,44 @@ def test_kernels_build_on_this_machine():
     if os.environ.get("CONVEYOR_KERNELS") == "torch" or shutil.which("g++") is None:
         pytest.skip("kernels disabled or no C++ compiler")
     assert load_cpu_kernels() is not None
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels is not None and kernels.attn_prefetch() == 0,
+                    reason="the AVX-512 kernel (the one that prefetches) is not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_how_far_ahead_attention_prefetches_changes_no_result(dtype):
+    """The L2 prefetch (set_attn_prefetch) only asks for rows early: every distance gives the bits of
+    none, over shuffled tables, contexts shorter than the distance and not whole blocks, and a window
+    (rows from mid-table). The last sequence's table ends on the cache's last block, so a prefetch
+    cursor that ran past its context would read past the table."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(7)
+    lens = [1, 15, 16, 17, 64, 65, 300, 1000]
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    ids = torch.randperm(num_blocks - 1, generator=g).tolist() + [num_blocks - 1]
+    tables = torch.zeros(len(lens), max(-(-n // block_size) for n in lens), dtype=torch.int64)
+    at = num_blocks
+    for i in reversed(range(len(lens))):
+        nb = -(-lens[i] // block_size)
+        tables[i, :nb] = torch.tensor(ids[at - nb:at])
+        at -= nb
+    assert tables[-1, -(-lens[-1] // block_size) - 1] == num_blocks - 1
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    context = torch.tensor(lens)
+    default = kernels.attn_prefetch()
+    try:
+        for window in (0, 37):
+            kernels.set_attn_prefetch(0)
+            ref = kernels.paged_decode(q, k_cache, v_cache, tables, context, head_dim ** -0.5, window)
+            for ahead in (1, 16, 64, 5000):
+                kernels.set_attn_prefetch(ahead)
+                got = kernels.paged_decode(q, k_cache, v_cache, tables, context, head_dim ** -0.5, window)
+                assert torch.equal(got, ref), (window, ahead)
+    finally:
+        kernels.set_attn_prefetch(default)
+    assert default == 64
+    with pytest.raises(RuntimeError):
+        kernels.set_attn_prefetch(-1)

@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("int8_amx_tokens", &int8_amx_tokens, "the fewest tokens of a step the x16 layout runs on AMX tiles");
     m.def("set_gemv_prefetch_single", &set_gemv_prefetch_single, "software prefetch in one-token GEMV passes (speed only)");
     m.def("gemv_prefetch_single", &gemv_prefetch_single, "whether one-token GEMV passes prefetch");
+    m.def("set_attn_prefetch", &set_attn_prefetch, "tokens ahead attention asks for K/V rows into L2 (speed only)");
+    m.def("attn_prefetch", &attn_prefetch, "tokens ahead paged attention asks for K/V rows into L2");
     m.def("decode_layers", &decode_layers, "every decoder layer of a decode step of a few tokens, matmuls on the GEMV");
     m.def("argmax_rows", &argmax_rows, "greedy token per row: (first argmax, max or NaN if non-finite)");
 }

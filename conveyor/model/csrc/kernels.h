@@ -29,6 +29,8 @@ void set_int8_amx(bool on);
 int64_t int8_amx_tokens();
 void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
+void set_attn_prefetch(int64_t tokens);
+int64_t attn_prefetch();
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
