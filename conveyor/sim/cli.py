@@ -26,7 +26,7 @@ from conveyor.paths import profile_path
 from conveyor.routing import ALIASES, POLICIES
 from conveyor.scheduler.costs import CostModel, StepCostModel
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
-from conveyor.sim.simulator import SimResult, simulate
+from conveyor.sim.simulator import SENSITIVITY_METRICS, SENSITIVITY_STEP, SimResult, elasticity, simulate
 from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities
 
 DEMO = "SmolLM2-135M-Instruct"
@@ -104,10 +104,11 @@ class Setup:
         return (c.num_kv_blocks or max(1, int(c.kv_cache_gib * (1 << 30) // block_bytes)),
                 int(c.swap_space_gib * (1 << 30) // block_bytes))
 
-    def run(self, workload, replicas: int | None = None, trace: bool = False) -> SimResult:
+    def run(self, workload, replicas: int | None = None, trace: bool = False,
+            cost: CostModel | None = None) -> SimResult:
         blocks, host = self.kv_blocks()
         c = self.config
-        return simulate(workload, c.scheduler, blocks, c.block_size, host, self.cost,
+        return simulate(workload, c.scheduler, blocks, c.block_size, host, cost or self.cost,
                         replicas=replicas or self.args.replicas, router=self.args.router,
                         prefix_caching=c.enable_prefix_caching, trace=trace, seed=self.args.seed)
 
@@ -257,6 +258,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return cmd_validate(args)
     if args.calibrate:
         raise ValueError("--calibrate OUT goes with --validate TRACE")
+    if args.sensitivity and (args.find_max_rate or args.find_replicas):
+        raise ValueError("--sensitivity goes with a run or a --sweep, not with --find-max-rate / --find-replicas")
     slo = parse_slo(args.slo) if args.slo else None
     sweep_name, sweep_values = None, [None]
     if args.sweep:
@@ -293,6 +296,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             res = setup.run(make_workload(a, spec), trace=True)
             entry = {}
+            if args.sensitivity:
+                if not isinstance(setup.cost, StepCostModel):
+                    raise ValueError("--sensitivity prices steps with a profile's cost model, not a roofline one")
+                entry["elasticity"] = elasticity(
+                    lambda c: {m: setup.run(make_workload(a, spec), cost=c).metric(m) for m in SENSITIVITY_METRICS},
+                    setup.cost, {m: res.metric(m) for m in SENSITIVITY_METRICS})
         summary = res.summary(slo)
         rows.append((label, summary))
         report["runs"].append({"label": label, sweep_name or "run": value, **entry, "summary": summary,
@@ -307,6 +316,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"cost model: {setup.describe}; KV cache: {blocks} blocks of {setup.config.block_size} tokens "
           f"per replica" + ("" if sweep_name else f", {args.replicas} replica(s)"))
     print(table(rows))
+    for run in report["runs"]:
+        if "elasticity" in run:
+            print(f"{run['label']}: % change per 1% of every step cost (costs {100 * SENSITIVITY_STEP:.0f}% up and "
+                  "down): " + ", ".join(f"{m} {e:+.1f}" for m, e in run["elasticity"].items()))
     report.update(cost_model=setup.describe, kv_blocks=blocks, slo=slo, argv=sys.argv[1:])
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
@@ -357,6 +370,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                    "num_requests, replicas, tensor_parallel, arrival, prompt_len, output_len")
     r.add_argument("--find-max-rate", action="store_true", help="the highest request rate that meets --slo")
     r.add_argument("--find-replicas", action="store_true", help="the fewest replicas that meet --slo at --rate")
+    r.add_argument("--sensitivity", action="store_true",
+                   help="also run with every step cost 5%% up and down: each metric's %% change per 1%% of "
+                        "step cost (near saturation several: the plan is only as good as the cost model's error "
+                        "times that)")
     r.add_argument("--step-trace", help="write the (last) run's step trace here (JSON, + .chrome.json)")
     r.add_argument("--out", help="write the results as JSON")
     add_engine_args(p, skip=("cost_model", "step_trace", "device", "torch_threads", "max_consecutive_step_failures",

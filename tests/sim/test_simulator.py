@@ -87,3 +87,38 @@ def test_slo_metrics_and_goodput():
     assert res.goodput({"ttft_p99": math.inf}) == pytest.approx(100 / res.sim_time)
     assert res.goodput({"ttft_p99": 0.0}) == 0.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+
+
+def test_elasticity_is_one_alone_and_grows_with_the_queue():
+    """Requests that never meet scale with the step cost (elasticity 1: every time is a sum of step
+    times); near saturation the queue multiplies it: arrivals keep their times while service slows."""
+    from conveyor.sim.simulator import SENSITIVITY_METRICS, elasticity, saturation_rate
+
+    cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512)
+    cost = StepCostModel()
+    knobs = dict(config=cfg, num_blocks=2000, block_size=16)
+
+    def metrics_at(spec):
+        return lambda c: {m: simulate(spec.generate(), cost=c, seed=spec.seed, **knobs).metric(m)
+                          for m in SENSITIVITY_METRICS}
+
+    alone = WorkloadSpec(num_requests=40, rate=0.05, prompt_len="32:256", output_len="16:64", seed=3)
+    e = elasticity(metrics_at(alone), cost)
+    assert e["ttft_p50"] == pytest.approx(1.0, abs=1e-6) and e["tpot_p50"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(e["throughput"]) < 0.05   # pinned by the arrivals
+    saturation = saturation_rate(WorkloadSpec(num_requests=200, prompt_len="32:256", output_len="16:128",
+                                              seed=100).generate(), cost, **knobs)
+    busy = WorkloadSpec(num_requests=300, rate=0.85 * saturation, prompt_len="32:256", output_len="16:128", seed=3)
+    e = elasticity(metrics_at(busy), cost)
+    assert e["ttft_p90"] > 1.5 and e["tpot_p90"] > 1.5, e
+
+
+def test_a_cost_model_scaled_twice_as_slow_doubles_a_lone_requests_times():
+    """What elasticity moves: every term of the cost model (steps, context, sampling, swaps, between
+    steps) by one factor, so a model twice as slow gives twice the time of a lone request."""
+    cost = StepCostModel()
+    spec = WorkloadSpec(num_requests=5, rate=0.01, prompt_len="64", output_len="8", seed=1)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256)
+    runs = [simulate(spec.generate(), cfg, num_blocks=100, cost=c) for c in (cost, cost.scaled(2.0))]
+    assert runs[1].metric("ttft_p50") == pytest.approx(2 * runs[0].metric("ttft_p50"))
+    assert runs[1].metric("tpot_p50") == pytest.approx(2 * runs[0].metric("tpot_p50"))

@@ -123,3 +123,16 @@ def test_capacity_planning_on_a_gpu(tmp_path, capsys):
                   "--slo", "ttft_p99=1s,tpot_p50=40ms", "--out", str(tmp_path / "m.json"), capsys=capsys)
     (run,) = json.loads((tmp_path / "m.json").read_text())["runs"]
     assert run["max_rate"] > 1 and "max rate" in out
+
+
+def test_simulate_command_sensitivity(tmp_path, capsys):
+    out = run_cli("simulate", "--num-requests", "60", "--rate", "1", "--sensitivity", "--out", str(tmp_path / "r.json"),
+                  capsys=capsys)
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert set(run["elasticity"]) == {"ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput"}
+    assert run["elasticity"]["ttft_p50"] >= 0.9 and "change per 1% of every step cost" in out
+    # a roofline model has no step-cost curve to move: refused, not ignored
+    assert main(["simulate", "--gpu", "h100", "--num-requests", "10", "--sensitivity"]) == 1
+    assert "--sensitivity" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "10", "--sensitivity", "--find-max-rate", "--slo", "ttft_p99=1s"]) == 1
+    assert "--find-max-rate" in capsys.readouterr().err
