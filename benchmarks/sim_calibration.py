@@ -64,6 +64,15 @@ from conveyor.sim.validate import calibrate, predicted, step_errors, sustained_c
 from conveyor.sim.workload import WorkloadSpec
 
 MODELS = ("profile", "corrected", "checked", "recent")
+# The workload families (knobs over `base(n)`); the forced-preemption cell runs on an engine of its own.
+FAMILIES = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32:1.0:400"),
+            "bursty (gamma CV 3)": dict(arrival="gamma:3"), "shared prefixes": dict(prefix_groups=4, prefix_len=128),
+            "long prompts": dict(prompt_len="600:1500")}
+
+
+def base(n: int) -> dict:
+    """The uniform workload of n requests, every family's starting point."""
+    return dict(num_requests=n, prompt_len="32:256", output_len="16:128")
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
 
 
@@ -98,13 +107,13 @@ def rescaled(model: StepCostModel, check: dict, then: dict, by_size: bool) -> St
     return model.scaled((check["factor"] or 1.0) / (then["factor"] or 1.0), by_tokens if by_size else None)
 
 
-def family_row(name: str, eng: Engine, knobs: dict, base: dict, saturation: float, cost: StepCostModel,
+def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation: float, cost: StepCostModel,
                corrected: StepCostModel, calibration_check: dict, recent: StepCostModel, seeds: list[int],
                by_size: bool) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
     each run) and in the simulator under the four models; errors of the metrics pooled over the seeds.
     Also returns the real runs' step traces."""
-    specs = [WorkloadSpec(**{**base, **knobs, "seed": seed}) for seed in seeds]
+    specs = [WorkloadSpec(**{**base_knobs, **knobs, "seed": seed}) for seed in seeds]
     preempted = eng.stats().num_preemptions
     reals, steps, walls, checks, traces = [], [], [], [], []
     for spec in specs:
@@ -170,8 +179,8 @@ def main() -> None:
         cost.save(path)
     print(f"cost model: {path}", flush=True)
     n = args.requests
-    base = dict(num_requests=n, prompt_len="32:256", output_len="16:128")
-    saturation = saturation_rate(WorkloadSpec(**base, seed=100).generate(), cost, **engine_knobs(engine))
+    base_knobs = base(n)
+    saturation = saturation_rate(WorkloadSpec(**base_knobs, seed=100).generate(), cost, **engine_knobs(engine))
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
     calibration_check = speed_check(engine, cost)   # the machine's speed when the calibration ran
@@ -185,10 +194,8 @@ def main() -> None:
           f"{100 * fit_report['after']['all']['mean_abs_error']:.1f}%), between steps "
           f"{fit_report['between_steps_ms']:.2f} ms", flush=True)
 
-    shapes = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32:1.0:400"),
-              "bursty (gamma CV 3)": dict(arrival="gamma:3"), "shared prefixes": dict(prefix_groups=4, prefix_len=128),
-              "long prompts": dict(prompt_len="600:1500")}
-    own = {name: saturation_rate(WorkloadSpec(**{**base, **knobs}, seed=100).generate(), cost, **engine_knobs(engine))
+    shapes = FAMILIES
+    own = {name: saturation_rate(WorkloadSpec(**{**base_knobs, **knobs}, seed=100).generate(), cost, **engine_knobs(engine))
            if args.load_of == "family" else saturation for name, knobs in shapes.items()}
     print("saturation per family (req/s):", {name: round(r, 2) for name, r in own.items()}, flush=True)
     runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * own[name]}, own[name])
@@ -205,7 +212,7 @@ def main() -> None:
     for i, (name, eng, knobs, capacity) in enumerate(runs):
         if window:
             recent, _ = calibrate([t for _, t in window], cost)
-        row, traces = family_row(name, eng, knobs, base, capacity, cost, corrected, calibration_check, recent,
+        row, traces = family_row(name, eng, knobs, base_knobs, capacity, cost, corrected, calibration_check, recent,
                                  seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size")
         row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
         row["recent_correction"] = {"decode_scales": recent.decode_scales, "prefill_scales": recent.prefill_scales,
@@ -225,7 +232,7 @@ def main() -> None:
                      f"{pct(r['profile']['tpot_p50'])} -> {pct(r['corrected']['tpot_p50'])} -> "
                      f"{pct(r['checked']['tpot_p50'])} -> {pct(r['recent']['tpot_p50'])}" for r in rows)
     save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "load_of": args.load_of,
-                     "saturation_per_family_req_s": own, "workload": base, "seeds": args.seeds,
+                     "saturation_per_family_req_s": own, "workload": base_knobs, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
                      "correction": {"meta": corrected.meta["calibration"],
                                     "knots": corrected.knots, "decode_scales": corrected.decode_scales,
