@@ -41,11 +41,12 @@ from dataclasses import dataclass, fields, replace
 from common import save
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
-from conveyor.scheduler.costs import StepCostModel, StepShape
 from conveyor.paths import profile_path
+from conveyor.scheduler.costs import StepCostModel, StepShape
 from conveyor.sim.simulator import SENSITIVITY_STEP, elasticity, engine_knobs, saturation_rate, simulate
 from conveyor.sim.workload import WorkloadSpec
 from sim_calibration import FAMILIES, METRICS, base, pooled
+
 
 @dataclass
 class Jittered(StepCostModel):
