@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from conveyor.engine.engine import Engine
+from conveyor.model.cpu_kernels import kernels_digest
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, StepShape, hat_weights
 from conveyor.scheduler.output import NewRequestData, ScheduledSeq, SchedulerOutput
@@ -411,7 +412,7 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: in
     model.meta = {
         "machine": machine(), "model": engine.model_name, "dtype": engine.dtype, "block_size": cfg.block_size,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "fit": quality,
-        "dispatch_thresholds": dispatch_thresholds(engine),
+        "dispatch_thresholds": dispatch_thresholds(engine), "kernels": kernels_digest(),
         "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large}, "probe": probe,
         "samples": [{"kind": s.kind, "measured_s": s.seconds, "fitted_s": executor_only.shape_time(s.shape),
                      "tokens": s.shape.tokens, "decode_context": s.shape.decode_context,

@@ -307,10 +307,19 @@ def chrome_path(path: str) -> str:
 def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     """Warn when a saved profile was measured on other kernel paths than this model takes now (its
     ``dispatch_thresholds`` differ: another Conveyor version or CPU rule, e.g. bf16 GGUF matmuls that
-    moved to the int8 kernel), since its step costs then describe another engine."""
+    moved to the int8 kernel) or on other C++ kernels (``meta.kernels``, their sources' digest), since
+    its step costs then describe another engine."""
+    from conveyor.model.cpu_kernels import kernels_digest
+
     thresholds = getattr(model, "dispatch_thresholds", None)
-    saved = (cost.meta or {}).get("dispatch_thresholds") if cost is not None else None
-    if saved is None or thresholds is None:
+    if cost is None or thresholds is None:
+        return
+    digest = (cost.meta or {}).get("kernels")
+    if digest is not None and digest != kernels_digest():
+        logger.warning("the step-cost profile was measured with other C++ kernels (sources %s, now %s): its "
+                       "costs describe another engine; run `conveyor profile` again", digest, kernels_digest())
+    saved = (cost.meta or {}).get("dispatch_thresholds")
+    if saved is None:
         return
     now = thresholds()
     try:

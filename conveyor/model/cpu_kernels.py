@@ -100,6 +100,16 @@ def _module_name(flags: list[str]) -> str:
     return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
 
 
+def kernels_digest() -> str:
+    """The C++ kernels' sources and headers, hashed: a profile records it (``meta.kernels``) and an
+    engine loading a profile measured on other kernels says so (engine.warn_if_profile_stale); a
+    kernel change can move step costs without moving any dispatch threshold (2026-12-06: the attention
+    prefetch made decode steps over long scattered contexts up to 1.25x faster)."""
+    import hashlib
+
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+
+
 def _headers_flag() -> str:
     """A define naming the headers' content: torch rebuilds a JIT extension when its sources or flags
     change, not its headers, so a change to a header alone would keep the old module."""

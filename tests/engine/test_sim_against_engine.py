@@ -104,7 +104,7 @@ def test_a_sustained_run_calibrates_the_profile(make_engine):
 def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
     """The runner reports where its kernel path changes (the GEMV's width), and the profile's decode
     sweep has a knot on each side of it, so no straight line is drawn across the switch; an engine
-    loading a profile measured on other switches warns."""
+    loading a profile measured on other switches, or on other C++ kernels, warns."""
     from conveyor.model.cpu_kernels import cpu_kernels
     from conveyor.profile import dispatch_thresholds, step_shapes
 
@@ -132,6 +132,12 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
     with caplog.at_level("WARNING", logger="conveyor.engine.engine"):
         warn_if_profile_stale(measured, model)
         assert not caplog.records
+        # ... and one measured on other C++ kernels (their sources' digest), thresholds alike
+        digest, measured.meta["kernels"] = measured.meta["kernels"], "0" * 16
+        warn_if_profile_stale(measured, model)
+        assert "other C++ kernels" in caplog.text
+        measured.meta["kernels"] = digest
+        caplog.clear()
         measured.meta["dispatch_thresholds"] = {**measured.meta["dispatch_thresholds"], "quant_dense_tokens_0": 15}
         warn_if_profile_stale(measured, model)
         assert "run `conveyor profile` again" in caplog.text
