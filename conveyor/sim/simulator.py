@@ -222,7 +222,7 @@ def elasticity(metrics_at: Callable[[StepCostModel], dict[str, float]], cost: St
                ref: dict[str, float] | None = None, step: float = SENSITIVITY_STEP) -> dict[str, float]:
     """Per metric, its relative change per relative change of every step cost: the metrics with the
     costs `step` up and `step` down, (up - down) / (2 step) / ref. Near saturation the queue multiplies
-    a step-cost error: on a Zen4 VM TPOT p50 moved 2.6-9.5% per 1% at 80% of capacity, 1.1-2.2% at 30%
+    a step-cost error: on a Zen4 VM TPOT p50 moved up to 9.5% per 1% at 80% of capacity, 1.1-2.2% at 30%
     (docs/simulator.md), so a planned metric is only as good as its elasticity times the cost
     model's error on the day. `metrics_at(cost)`: the metrics of the same workload under `cost`;
     `ref`: those under `cost` when already known."""
