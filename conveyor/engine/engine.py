@@ -314,11 +314,12 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     thresholds = getattr(model, "dispatch_thresholds", None)
     if cost is None or thresholds is None:
         return
-    digest = (cost.meta or {}).get("kernels")
-    if digest is not None and digest != kernels_digest():
+    meta = cost.meta or {}
+    digest, now_digest = meta.get("kernels"), kernels_digest()
+    if digest is not None and digest != now_digest:
         logger.warning("the step-cost profile was measured with other C++ kernels (sources %s, now %s): its "
-                       "costs describe another engine; run `conveyor profile` again", digest, kernels_digest())
-    saved = (cost.meta or {}).get("dispatch_thresholds")
+                       "costs describe another engine; run `conveyor profile` again", digest, now_digest)
+    saved = meta.get("dispatch_thresholds")
     if saved is None:
         return
     now = thresholds()

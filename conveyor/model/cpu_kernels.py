@@ -105,18 +105,20 @@ def kernels_digest() -> str:
     engine loading a profile measured on other kernels says so (engine.warn_if_profile_stale); a
     kernel change can move step costs without moving any dispatch threshold (2026-12-06: the attention
     prefetch made decode steps over long scattered contexts up to 1.25x faster)."""
-    import hashlib
-
-    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+    return _digest(p for p in _CSRC.iterdir() if p.is_file())
 
 
 def _headers_flag() -> str:
     """A define naming the headers' content: torch rebuilds a JIT extension when its sources or flags
     change, not its headers, so a change to a header alone would keep the old module."""
+    return f"-DCONVEYOR_HEADERS={_digest(_CSRC.glob('*.h'))}"
+
+
+def _digest(paths) -> str:
+    """16 hex digits of the SHA-256 of the files' contents, in path order."""
     import hashlib
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.glob("*.h")))).hexdigest()[:16]
-    return f"-DCONVEYOR_HEADERS={digest}"
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(paths))).hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:
