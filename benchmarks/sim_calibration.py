@@ -73,6 +73,11 @@ FAMILIES = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32
 def base(n: int) -> dict:
     """The uniform workload of n requests, every family's starting point."""
     return dict(num_requests=n, prompt_len="32:256", output_len="16:128")
+
+
+def family_saturation(family: dict, n: int, cost: StepCostModel, sim_knobs: dict) -> float:
+    """A family's saturation in the simulator (req/s): n of its requests (seed 100) arriving at once."""
+    return saturation_rate(WorkloadSpec(**{**base(n), **family}, seed=100).generate(), cost, **sim_knobs)
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
 
 
@@ -180,7 +185,8 @@ def main() -> None:
     print(f"cost model: {path}", flush=True)
     n = args.requests
     base_knobs = base(n)
-    saturation = saturation_rate(WorkloadSpec(**base_knobs, seed=100).generate(), cost, **engine_knobs(engine))
+    per_family = {name: family_saturation(family, n, cost, engine_knobs(engine)) for name, family in FAMILIES.items()}
+    saturation = per_family["uniform"]
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
     calibration_check = speed_check(engine, cost)   # the machine's speed when the calibration ran
@@ -194,12 +200,10 @@ def main() -> None:
           f"{100 * fit_report['after']['all']['mean_abs_error']:.1f}%), between steps "
           f"{fit_report['between_steps_ms']:.2f} ms", flush=True)
 
-    shapes = FAMILIES
-    own = {name: saturation_rate(WorkloadSpec(**{**base_knobs, **knobs}, seed=100).generate(), cost, **engine_knobs(engine))
-           if args.load_of == "family" else saturation for name, knobs in shapes.items()}
+    own = per_family if args.load_of == "family" else {name: saturation for name in FAMILIES}
     print("saturation per family (req/s):", {name: round(r, 2) for name, r in own.items()}, flush=True)
     runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * own[name]}, own[name])
-            for load in (0.3, 0.8) for name, knobs in shapes.items()]   # by load: the recent runs are other families
+            for load in (0.3, 0.8) for name, knobs in FAMILIES.items()]   # by load: the recent runs are other families
     small = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
                                              num_kv_blocks=40, admission_policy="optimistic", min_resident_steps=2),
                    loaded=engine.loaded)

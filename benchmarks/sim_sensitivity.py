@@ -43,9 +43,9 @@ from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
 from conveyor.paths import profile_path
 from conveyor.scheduler.costs import StepCostModel, StepShape
-from conveyor.sim.simulator import SENSITIVITY_STEP, elasticity, engine_knobs, saturation_rate, simulate
+from conveyor.sim.simulator import SENSITIVITY_STEP, elasticity, engine_knobs, simulate
 from conveyor.sim.workload import WorkloadSpec
-from sim_calibration import FAMILIES, METRICS, base, pooled
+from sim_calibration import FAMILIES, METRICS, base, family_saturation, pooled
 
 
 @dataclass
@@ -109,10 +109,10 @@ def cells_of_result(path: str) -> tuple[str, int, list]:
 
 def cells_of_loads(cost: StepCostModel, knobs: dict, n: int, seeds: int, loads: list[float]) -> list:
     """Every family at each load of its own simulated saturation, `seeds` runs of n requests a cell
-    (seeds as sim_calibration.py numbers them)."""
+    (seeds 21, 121, ...: sim_calibration.py's for its first cell)."""
     cells = []
     for name, family in FAMILIES.items():
-        saturation = saturation_rate(WorkloadSpec(**{**base(n), **family}, seed=100).generate(), cost, **knobs)
+        saturation = family_saturation(family, n, cost, knobs)
         for load in loads:
             specs = [WorkloadSpec(**{**base(n), **family, "rate": load * saturation, "seed": 21 + 100 * j})
                      for j in range(seeds)]
