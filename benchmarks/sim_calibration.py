@@ -31,11 +31,17 @@ traces of the last few real runs (``--recent N``, default 4: the two cells befor
 by load (every family at 30%, then every family at 80%), so those runs are always other families; the
 first cell gets the calibration run's correction.
 
+A fifth, "own", is not a prediction but a diagnostic: the profile corrected on the step traces of the
+cell's own real runs (fitted on half their steps, as `calibrate` does), so the step costs are this very
+run's (machine speed included). What error is left with it is the simulator's (its scheduling model,
+and what a per-bucket factor cannot say about single steps); the difference between the profile's error
+and this one is what the step-cost prediction costs.
+
 Near saturation (80%) the short-prompt families run a second time on the real engine: the difference
 between two real runs of one workload is the floor under the simulator's error at this sample size.
 
 Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
-error), preemptions, and the step-cost error of the run's own trace under the four models (overall
+error), preemptions, and the step-cost error of the run's own trace under the five models (overall
 and per shape bucket). With ``--seeds K`` every family and load runs K times, each with requests of
 its own (a speed check before each), and the metrics are taken over the K runs' requests together:
 K times the sample without one run lasting K times as long. Writes JSON and a line in
@@ -63,7 +69,7 @@ from conveyor.sim.simulator import SimResult, engine_knobs, saturation_rate, sim
 from conveyor.sim.validate import calibrate, predicted, step_errors, sustained_calibration, traced_steps
 from conveyor.sim.workload import WorkloadSpec
 
-MODELS = ("profile", "corrected", "checked", "recent")
+MODELS = ("profile", "corrected", "checked", "recent", "own")
 # The workload families (knobs over `base(n)`); the forced-preemption cell runs on an engine of its own.
 FAMILIES = {"uniform": {}, "heavy-tailed outputs": dict(output_len="lognormal:32:1.0:400"),
             "bursty (gamma CV 3)": dict(arrival="gamma:3"), "shared prefixes": dict(prefix_groups=4, prefix_len=128),
@@ -116,7 +122,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
                corrected: StepCostModel, calibration_check: dict, recent: StepCostModel, seeds: list[int],
                by_size: bool) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
-    each run) and in the simulator under the four models; errors of the metrics pooled over the seeds.
+    each run) and in the simulator under the five models; errors of the metrics pooled over the seeds.
     Also returns the real runs' step traces."""
     specs = [WorkloadSpec(**{**base_knobs, **knobs, "seed": seed}) for seed in seeds]
     preempted = eng.stats().num_preemptions
@@ -129,9 +135,10 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
         steps.append(traced_steps(trace))
         traces.append(trace)
     real = pooled(reals)
+    own, _ = calibrate(traces, cost)   # not a prediction: the step costs of these very runs
     models = {"profile": [cost] * len(specs), "corrected": [corrected] * len(specs),
               "checked": [rescaled(corrected, check, calibration_check, by_size) for check in checks],
-              "recent": [recent] * len(specs)}
+              "recent": [recent] * len(specs), "own": [own] * len(specs)}
     speeds = [c["factor"] or 1.0 for c in checks]
     row = {"family": name, "rate": specs[0].rate, "saturation_req_s": saturation, "seeds": seeds,
            "requests": sum(len(r.records) for r in reals),
@@ -232,9 +239,11 @@ def main() -> None:
         return f"{100 * x:+.0f}%"
 
     line = "; ".join(f"{r['family']}: TTFT p50 {pct(r['profile']['ttft_p50'])} -> {pct(r['corrected']['ttft_p50'])} "
-                     f"-> {pct(r['checked']['ttft_p50'])} -> {pct(r['recent']['ttft_p50'])}, TPOT p50 "
+                     f"-> {pct(r['checked']['ttft_p50'])} -> {pct(r['recent']['ttft_p50'])} "
+                     f"(own {pct(r['own']['ttft_p50'])}), TPOT p50 "
                      f"{pct(r['profile']['tpot_p50'])} -> {pct(r['corrected']['tpot_p50'])} -> "
-                     f"{pct(r['checked']['tpot_p50'])} -> {pct(r['recent']['tpot_p50'])}" for r in rows)
+                     f"{pct(r['checked']['tpot_p50'])} -> {pct(r['recent']['tpot_p50'])} "
+                     f"(own {pct(r['own']['tpot_p50'])})" for r in rows)
     save(args.name, {"cost_model": str(path), "saturation_req_s": saturation, "load_of": args.load_of,
                      "saturation_per_family_req_s": own, "workload": base_knobs, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
@@ -245,7 +254,8 @@ def main() -> None:
                      "families": rows},
          f"simulator error ({n} requests x {args.seeds} seed(s) per family and load), profile -> profile + trace "
          "correction (fitted on a uniform run at 70%) -> the correction scaled by a speed check before each run -> "
-         f"the profile corrected on the last {args.recent} real runs' traces (other families): "
+         f"the profile corrected on the last {args.recent} real runs' traces (other families); "
+         "(own: corrected on the cell's own traces, a diagnostic): "
          + line)
 
 
