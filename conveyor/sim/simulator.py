@@ -50,17 +50,23 @@ class CostModelExecutor:
     """An Executor that advances the clock by the modelled time and emits each request's
     predetermined output (EOS at its oracle length)."""
 
-    def __init__(self, cost: CostModel, clock: SimClock, oracle: OracleLengths):
+    def __init__(self, cost: CostModel, clock: SimClock, oracle: OracleLengths,
+                 speed: Callable[[float], float] | None = None):
         self.cost, self.clock, self.oracle = cost, clock, oracle
+        self.speed = speed   # the machine's slowness over time: a step starting at t takes speed(t) x the model's
         self.after_prefill = AfterPrefill()   # decode steps after a prefill chunk cost more (cost.py)
 
+    def _factor(self) -> float:
+        return self.speed(self.clock.now) if self.speed else 1.0
+
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        self.clock.advance(self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in)))
+        self.clock.advance(self._factor() * (self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in))))
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         shape = StepShape.of(plan)
         t = self.cost.shape_time(shape) if isinstance(self.cost, StepCostModel) else self.cost.step_time(plan)
-        self.clock.advance(t + self.after_prefill.extra(self.cost, shape.prefill_tokens, shape.tokens))
+        self.clock.advance(self._factor() * (t + self.after_prefill.extra(self.cost, shape.prefill_tokens,
+                                                                          shape.tokens)))
         return ModelOutput(self.oracle.fix(plan, {s.request_id: EOS + 1 for s in plan.scheduled if s.sample}))
 
 
@@ -170,12 +176,13 @@ class SimResult:
 
 
 def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int,
-                 cost: CostModel, prefix_caching: bool, trace: bool, detail: bool = False) -> Replica:
+                 cost: CostModel, prefix_caching: bool, trace: bool, detail: bool = False,
+                 speed: Callable[[float], float] | None = None) -> Replica:
     clock, oracle = SimClock(), OracleLengths()
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
     # as the engine does: the auto mode decides with the cost model's costs (unless the user set them)
     core = EngineCore(Scheduler(config, kv, costs=preemption_costs(config, cost)),
-                      CostModelExecutor(cost, clock, oracle), clock)
+                      CostModelExecutor(cost, clock, oracle, speed), clock)
     if trace:
         core.tracer = StepTracer(detail=detail, meta={"source": "simulator"})
     return Replica(core, oracle, clock, clock.wait_until, getattr(cost, "between_steps", 0.0))
@@ -184,15 +191,19 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,
              num_host_blocks: int = 0, cost: CostModel | None = None, *, replicas: int = 1,
              router: str | Router = "least-load", prefix_caching: bool = False, trace: bool = False,
-             seed: int = 0, max_steps: int = 50_000_000) -> SimResult:
+             seed: int = 0, max_steps: int = 50_000_000, speed: Callable[[float], float] | None = None) -> SimResult:
     """Run the workload through `replicas` simulated engines (each with its own KV cache of
     num_blocks blocks) behind a router; returns per-request records, stats and optional traces.
 
     `router`: the data-parallel server's policy (conveyor/routing.py) by name — "prefix",
     "least-load" (alias "least-loaded"), "round-robin" — or a Router. The prefix policy only pays
-    with `prefix_caching` on (the CLI's default, as the engine's)."""
+    with `prefix_caching` on (the CLI's default, as the engine's).
+
+    `speed`: a machine whose speed changes over time — a step (or swap copy) starting at simulated
+    time t takes speed(t) times the cost model's time (e.g. `validate.speed_timeline` of a real
+    run's trace: what its own machine did, window by window)."""
     cost = cost or StepCostModel()
-    reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace)
+    reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace, speed=speed)
             for _ in range(replicas)]
     records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)
     steps = sum(r.core.scheduler.step for r in reps)
