@@ -129,6 +129,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
     reals, steps, walls, checks, traces = [], [], [], [], []
     for spec in specs:
         checks.append(speed_check(eng, cost))   # just before the run, against the profile's probe times
+        eng.core.scheduler.kv.reset_prefix_cache()   # as each simulation starts: nothing cached by runs before
         real, trace, wall = real_run(eng, spec)
         reals.append(real)
         walls.append(wall)
