@@ -1,7 +1,7 @@
 """Near saturation, is what the simulator misses the machine's speed moving within a run?
 
 `sim_calibration.py`'s "own" model (the profile corrected on a cell's own real runs) gives the
-simulator each run's mean step costs; near saturation it still missed some percentiles by 20-45%
+simulator each run's mean step costs; near saturation it still missed some percentiles by 25-46%
 (run 7, docs/simulator.md). A shared VM's speed also moves within a run, and a slow stretch builds
 a queue that the mean speed does not. This runs workload families at `--loads` of their own
 simulated saturation on the real engine (`--seeds` runs of `--requests` each, metrics pooled over
@@ -18,7 +18,9 @@ Also reported: each run's window factors (min / max) and the real engine against
 requests again; not for the long-prompt family, whose runs take minutes). Before the cells a short
 unmeasured run warms the engine up, each cell draws seeds of its own and starts with an empty prefix
 cache (the same seed draws the same prompts in every family: a first version reused them, and the
-later families' runs hit the earlier ones' cached prompts, 40-100% faster than simulated). Writes JSON and a line in docs/benchmarks.md. About 7 minutes with the defaults.
+later families' real runs, hitting the earlier ones' cached prompts, came out at about half the
+simulated latencies). Writes JSON and a line in docs/benchmarks.md. About 7 minutes with the
+defaults.
 
     python benchmarks/sim_speed_timeline.py [--families uniform,...] [--loads 0.8] [--requests 60] [--seeds 2]
         [--window 2] [--name sim_speed_timeline]

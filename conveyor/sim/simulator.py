@@ -57,7 +57,12 @@ class CostModelExecutor:
         self.after_prefill = AfterPrefill()   # decode steps after a prefill chunk cost more (cost.py)
 
     def _factor(self) -> float:
-        return self.speed(self.clock.now) if self.speed else 1.0
+        if not self.speed:
+            return 1.0
+        f = self.speed(self.clock.now)
+        if not f > 0:
+            raise ValueError(f"speed({self.clock.now:.3f}) = {f}: a machine's slowness factor must be positive")
+        return f
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         self.clock.advance(self._factor() * (self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in))))

@@ -13,12 +13,13 @@ from dataclasses import replace
 
 import pytest
 
+from conveyor.engine.core import EngineDeadError
 from conveyor.engine.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.sim.cost import AfterPrefill, StepCostModel, StepShape
 from conveyor.sim.simulator import SimRequest, simulate
-from conveyor.sim.validate import (calibrate, gaps_between_steps, predicted, speed_timeline, token_buckets, traced_steps,
-                                   validate)
+from conveyor.sim.validate import (calibrate, gaps_between_steps, predicted, speed_timeline, token_buckets,
+                                   traced_steps, validate)
 from conveyor.sim.workload import WorkloadSpec
 
 KNOTS = [1, 2, 4, 8, 9, 16, 64, 256, 1024]
@@ -331,6 +332,8 @@ def test_a_constant_speed_is_the_cost_model_scaled():
     scaled = simulate(workload(3), CONFIG, num_blocks=400, cost=model.scaled(1.7), seed=3)
     for m in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput"):
         assert slow.metric(m) == pytest.approx(scaled.metric(m), rel=1e-9)
+    with pytest.raises(EngineDeadError, match="slowness factor must be positive"):   # as an engine's failing steps
+        simulate(workload(3), CONFIG, num_blocks=400, cost=model, seed=3, speed=lambda t: 0.0)
 
 
 def test_a_machine_that_slows_down_mid_run_is_replayed_by_its_speed_timeline():
