@@ -50,9 +50,14 @@ def exponent(data: list[tuple[float, float]]) -> float:
     return sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x)
 
 
+def rescaled_error(factor: float, error: float, c: float) -> float:
+    """A run's absolute step-cost error with the profile multiplied by factor ** c."""
+    return abs((1 + error) * factor ** c - 1)
+
+
 def mean_abs(data: list[tuple[float, float]], c: float) -> float:
     """Mean absolute step-cost error with the profile multiplied by factor ** c."""
-    return statistics.fmean(abs((1 + e) * s ** c - 1) for s, e in data)
+    return statistics.fmean(rescaled_error(s, e, c) for s, e in data)
 
 
 def main() -> None:
@@ -80,8 +85,7 @@ def main() -> None:
                 row["results"][name] = {"runs": len(data), "exponent_of_others": c,
                                         "as profiled": mean_abs(data, 0.0), "rescaled": mean_abs(data, 1.0),
                                         "partly rescaled": mean_abs(data, c)}
-            row["mean_abs_error"]["partly rescaled"] = statistics.fmean(abs((1 + e) * s ** c - 1)
-                                                                        for s, e, c in held)
+            row["mean_abs_error"]["partly rescaled"] = statistics.fmean(rescaled_error(*run) for run in held)
         machines[cpu] = row
         print(cpu, {k: v for k, v in row.items() if k != "results"}, flush=True)
 

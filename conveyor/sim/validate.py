@@ -175,10 +175,11 @@ class SpeedTimeline:
         return [f / mean for f in self.factors]
 
 
-def speed_timeline(trace: StepTracer, cost: StepCostModel, window: float = WINDOW, start: float = 0.0) -> SpeedTimeline:
+def speed_timeline(trace: StepTracer, cost: StepCostModel, window: float = WINDOW, start: float = 0.0,
+                   steps: list[TracedStep] | None = None) -> SpeedTimeline:
     """The trace's machine speed against `cost`, window by window (SpeedTimeline), its first step at
-    `start` on the simulator's clock."""
-    steps = traced_steps(trace)
+    `start` on the simulator's clock. `steps`: the trace's `traced_steps`, where the caller has them."""
+    steps = traced_steps(trace) if steps is None else steps
     t0 = trace.records[0].t
     sums: dict[int, list[float]] = {}
     for s in steps:
@@ -198,8 +199,9 @@ def validate(trace: StepTracer | Sequence[StepTracer], cost: StepCostModel) -> d
     how the machine's speed moved within each trace (``speed_windows``: per WINDOW seconds, relative
     to the trace's mean, pooled)."""
     traces = _traces(trace)
-    report = step_errors([s for t in traces for s in traced_steps(t)], cost)
-    moves = [f for t in traces for f in speed_timeline(t, cost).relative()]
+    per_trace = [traced_steps(t) for t in traces]
+    report = step_errors([s for steps in per_trace for s in steps], cost)
+    moves = [f for t, steps in zip(traces, per_trace) for f in speed_timeline(t, cost, steps=steps).relative()]
     report["speed_windows"] = {"window_s": WINDOW, "windows": len(moves), "min": min(moves), "max": max(moves),
                                "sd": statistics.pstdev(moves)}
     gaps = [g for t in traces for g in gaps_between_steps(t)]
