@@ -308,13 +308,19 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     """Warn when a saved profile was measured on other kernel paths than this model takes now (its
     ``dispatch_thresholds`` differ: another Conveyor version or CPU rule, e.g. bf16 GGUF matmuls that
     moved to the int8 kernel) or on other C++ kernels (``meta.kernels``, their sources' digest), since
-    its step costs then describe another engine."""
+    its step costs then describe another engine; or with another number of torch threads (on the
+    2-vCPU Zen4 one thread's steps cost 1.3-1.9x two threads', docs/simulator.md)."""
     from conveyor.model.cpu_kernels import kernels_digest
 
     thresholds = getattr(model, "dispatch_thresholds", None)
     if cost is None or thresholds is None:
         return
     meta = cost.meta or {}
+    threads = (meta.get("machine") or {}).get("threads")
+    if isinstance(threads, int) and threads != torch.get_num_threads():
+        logger.warning("the step-cost profile was measured with %d torch threads, this engine runs %d: its costs "
+                       "describe another engine; run `conveyor profile` with the same threads", threads,
+                       torch.get_num_threads())
     digest, now_digest = meta.get("kernels"), kernels_digest()
     if digest is not None and digest != now_digest:
         logger.warning("the step-cost profile was measured with other C++ kernels (sources %s, now %s): its "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.trace import StepTracer
@@ -141,6 +142,12 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
         measured.meta["dispatch_thresholds"] = {**measured.meta["dispatch_thresholds"], "quant_dense_tokens_0": 15}
         warn_if_profile_stale(measured, model)
         assert "run `conveyor profile` again" in caplog.text
+        # ... and one measured with another number of torch threads
+        caplog.clear()
+        measured.meta["dispatch_thresholds"] = dispatch_thresholds(engine)
+        measured.meta["machine"]["threads"] = torch.get_num_threads() + 1
+        warn_if_profile_stale(measured, model)
+        assert f"{torch.get_num_threads() + 1} torch threads" in caplog.text
 
 
 def test_the_profiles_sequences_get_scattered_blocks_of_their_own(make_engine):
