@@ -44,21 +44,22 @@ Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs si
 error), preemptions, the step-cost error of the run's own trace under the five models (overall
 and per shape bucket), and the load as a fraction of the capacity the machine had during the runs
 (``measured_load``: the rate over the family's saturation under the "own" model; issue 20's targets
-are for loads up to 85% of measured capacity). With ``--seeds K`` every family and load runs K times, each with requests of
-its own (a speed check before each), and the metrics are taken over the K runs' requests together:
-K times the sample without one run lasting K times as long. Writes JSON and a line in
+are for loads up to 85% of measured capacity). With ``--seeds K`` every family and load runs K
+times, each with requests of its own (a speed check before each), and the metrics are taken over the
+K runs' requests together: K times the sample without one run lasting K times as long. Writes JSON and a line in
 docs/benchmarks.md.
 
 ``--torch-threads N`` runs the engines with N torch threads, against a profile of their own (made if
 missing): on the 2-vCPU Zen4, one thread held its speed where two did not (machine_steadiness.py).
 
     python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--check median|by-size] [--name NAME]
-                                         [--torch-threads N] [--profile PATH]
+                                         [--torch-threads N] [--profile PATH] [--traces DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -129,7 +130,7 @@ def rescaled(model: StepCostModel, check: dict, then: dict, by_size: bool) -> St
 
 def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation: float, cost: StepCostModel,
                corrected: StepCostModel, calibration_check: dict, recent: StepCostModel, seeds: list[int],
-               by_size: bool) -> tuple[dict, list]:
+               by_size: bool, traces_dir: Path | None = None) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
     each run) and in the simulator under the five models; errors of the metrics pooled over the seeds.
     Also returns the real runs' step traces."""
@@ -144,6 +145,8 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
         walls.append(wall)
         steps.append(traced_steps(trace))
         traces.append(trace)
+        if traces_dir is not None:   # for `conveyor simulate --validate` and later analysis
+            trace.save(traces_dir / f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}_seed{spec.seed}.json")
     real = pooled(reals)
     own, _ = calibrate(traces, cost)   # not a prediction: the step costs of these very runs
     # The load as a fraction of the capacity the machine had during these runs: the family's
@@ -200,7 +203,11 @@ def main() -> None:
                     help="the engines' torch threads (default: all cores); the profile then defaults to one of its own")
     ap.add_argument("--profile", help="the cost profile (made there if missing; default: the engine's, "
                                       "<model>-<dtype>-<N>threads.json with --torch-threads N)")
+    ap.add_argument("--traces", help="a folder to save every real run's step trace in")
     args = ap.parse_args()
+    traces_dir = Path(args.traces) if args.traces else None
+    if traces_dir is not None:
+        traces_dir.mkdir(parents=True, exist_ok=True)
     threads = dict(torch_threads=args.torch_threads) if args.torch_threads else {}
     engine = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
                                               **threads))
@@ -250,7 +257,8 @@ def main() -> None:
         if window:
             recent, _ = calibrate([t for _, t in window], cost)
         row, traces = family_row(name, eng, knobs, base_knobs, capacity, cost, corrected, calibration_check, recent,
-                                 seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size")
+                                 seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size",
+                                 traces_dir=traces_dir)
         row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
         row["recent_correction"] = {"decode_scales": recent.decode_scales, "prefill_scales": recent.prefill_scales,
                                     "between_steps_s": recent.between_steps}

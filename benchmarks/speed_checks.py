@@ -5,7 +5,8 @@ to the profile's times (the factor; ``--rescale`` multiplies the profile by it).
 `sim_calibration.py` has such a check just before it and the profile's step-cost error on the run's
 own trace after it (``speed_factors`` and ``step_error_profile.per_run`` in its JSON). This pools
 those pairs from every result given (all ``results/sim_calibration*.json`` by default), per machine
-(the results' ``cpu_family``), and asks how much of the factor the run's step cost followed:
+and torch thread count (the results' ``cpu_family`` and ``threads``), and asks how much of the factor
+the run's step cost followed:
 
 - the exponent c of ``measured / modelled ~ factor ** c`` (least squares on logarithms, through 1:
   c = 1 means the run moved exactly as the check said, 0 that the check said nothing);
@@ -71,7 +72,9 @@ def main() -> None:
         result = json.loads(path.read_text())
         data = pairs(result)
         if data:
-            by_machine.setdefault(result["machine"]["cpu_family"], {})[path.stem] = data
+            # Per machine and thread count: one thread's steps move differently (machine_steadiness.py).
+            key = f"{result['machine']['cpu_family']}, {result['machine'].get('threads', '?')} threads"
+            by_machine.setdefault(key, {})[path.stem] = data
     machines = {}
     for cpu, results in by_machine.items():
         every = [p for data in results.values() for p in data]
