@@ -92,20 +92,20 @@ def main() -> None:
     if before and after:
         delta = [b - a for a, b in zip(before, after)]
         steal = delta[7] / max(1, sum(delta))
+    stolen = "n/a" if steal is None else f"{100 * steal:.2f}%"
     result = {str(n): {name: windows(r) for name, r in by_shape.items()} for n, by_shape in rows.items()}
     for n, by_shape in result.items():
         for name, w in by_shape.items():
             print(f"{n} threads, {name}: median {w['median_ms']:.2f} ms, 2-s windows {w['min']:.2f}-{w['max']:.2f}x, "
                   f"sd {100 * w['sd']:.1f}%")
-    print(f"CPU time stolen by the hypervisor: {'n/a' if steal is None else f'{100 * steal:.2f}%'}")
+    print(f"CPU time stolen by the hypervisor: {stolen}")
     line = "; ".join(f"{n} threads: " + ", ".join(f"{name} {w['median_ms']:.1f} ms ({w['min']:.2f}-{w['max']:.2f}x, "
                                                      f"sd {100 * w['sd']:.1f}%)" for name, w in by_shape.items())
                      for n, by_shape in result.items())
     save(args.name, {"block_s": args.block, "blocks": args.blocks, "window_s": WINDOW_S, "threads": counts,
                      "steal_fraction": steal, "shapes": result},
          f"identical steps, {args.blocks} blocks of {args.block:.0f} s alternating {args.threads} threads, "
-         f"2-s windows' median relative to the whole: {line}; stolen CPU "
-         f"{'n/a' if steal is None else f'{100 * steal:.2f}%'}")
+         f"2-s windows' median relative to the whole: {line}; stolen CPU {stolen}")
 
 
 if __name__ == "__main__":

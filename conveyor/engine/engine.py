@@ -316,11 +316,11 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     if cost is None or thresholds is None:
         return
     meta = cost.meta or {}
-    threads = (meta.get("machine") or {}).get("threads")
-    if isinstance(threads, int) and threads != torch.get_num_threads():
+    threads, now_threads = (meta.get("machine") or {}).get("threads"), torch.get_num_threads()
+    if isinstance(threads, int) and threads != now_threads:
         logger.warning("the step-cost profile was measured with %d torch threads, this engine runs %d: its costs "
                        "describe another engine; run `conveyor profile --torch-threads %d --out PATH` and give "
-                       "PATH as the cost model", threads, torch.get_num_threads(), torch.get_num_threads())
+                       "PATH as the cost model", threads, now_threads, now_threads)
     digest, now_digest = meta.get("kernels"), kernels_digest()
     if digest is not None and digest != now_digest:
         logger.warning("the step-cost profile was measured with other C++ kernels (sources %s, now %s): its "
