@@ -42,7 +42,8 @@ def main() -> None:
         raise SystemExit("the AVX-512 paged attention kernel is not built here: nothing to compare")
     engine = Engine(EngineConfig.from_options(dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=2048,
                                               cost_model="none"))
-    tables = {"consecutive": _Plans(engine, prefix="c", scattered=False), "scattered": _Plans(engine, prefix="s")}
+    tables = {"consecutive": _Plans(engine, prefix="c", scattered=False),
+              "scattered": _Plans(engine, prefix="s", run=1)}   # every block on its own
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     plans = {(name, shape): p.plan([p.seq(shape[1], 1) for _ in range(shape[0])])
              for name, p in tables.items() for shape in shapes}

@@ -211,11 +211,7 @@ def main() -> None:
     threads = dict(torch_threads=args.torch_threads) if args.torch_threads else {}
     engine = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
                                               **threads))
-    path = profile_path(engine.model_name, engine.dtype)
-    if args.profile:
-        path = Path(args.profile)
-    elif args.torch_threads:
-        path = path.with_name(f"{path.stem}-{args.torch_threads}threads.json")
+    path = Path(args.profile) if args.profile else profile_path(engine.model_name, engine.dtype, args.torch_threads)
     if path.is_file():   # the profile as measured: a correction saved by `profile --sustained` taken off
         cost = replace(StepCostModel.load(path), decode_scales=[], prefill_scales=[], between_steps=0.0)
     else:

@@ -68,7 +68,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     # and remembers them for every later start (conveyor/model/probe_cache.py).
     os.environ.setdefault("CONVEYOR_PROBES", "fresh")
     engine = Engine(config_from_args(args, model=args.model, cost_model="none"))
-    out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype)
+    # With --torch-threads N the profile is N threads' own (an engine running N threads looks for it first).
+    out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype, args.torch_threads)
     if args.recheck:
         return _recheck(engine, out, args.rescale)
     model = profile(engine, quick=args.quick, repeats=args.repeats, passes=args.passes)

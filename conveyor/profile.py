@@ -7,7 +7,8 @@ swap copies of N blocks. Each shape runs once to warm up, then ``repeats`` times
 in several sweeps; the median counts. The decode steps after a prefill chunk are measured apart
 (they read weights the chunk evicted from the caches). The engine's own per-step work outside the
 executor (scheduling, updating requests, detokenizing) is measured on a short real run and added. The StepCostModel of cost.py (a
-piecewise-linear cost over the step's token count, plus costs per KV token read, per prefill
+piecewise-linear cost over the step's token count, plus costs per KV token read (one per
+number of sequences decoding), per prefill
 query-key pair and per sampled sequence) is then fitted by least squares on relative error,
 with non-negative coefficients, and saved as JSON with the machine and model it came from.
 """
@@ -63,22 +64,31 @@ class _Plans:
     """Synthetic plans over the runner's KV cache: distinct blocks per sequence, wrapping around.
     Every sequence is new to the runner (so a plan can be executed again and again), and each
     plan tells the runner to forget the previous plan's. The blocks are taken in a shuffled order
-    (`scattered`, the default): a serving engine's free list hands out blocks scattered over the
-    cache once requests have come and gone, and on the Zen4 a decode step reading 1,024 tokens of
-    context per sequence from scattered blocks took 1.3-1.6x as long as from consecutive ones (the
-    profile's tables until 2026-12-06), which priced long prompts' decode steps 15-44% short. (Since
-    the attention kernel's L2 prefetch, 1.1-1.2x: benchmarks/kv_scatter.py.)"""
+    (`scattered`, the default) of runs of `run` consecutive blocks (default: the blocks of one
+    prompt chunk, ``prefill_chunk_cap`` tokens, as the engine's scheduler allocates a chunk's from
+    its free queue; 1: every block on its own). A serving engine's tables are not one run of
+    consecutive blocks once requests have come and gone, and on the Zen4 a decode step reading
+    1,024 tokens of context per sequence from blocks scattered one by one took 1.3-1.6x as long as
+    from consecutive ones (the profile's tables until 2026-12-06), which priced long prompts' decode
+    steps 15-44% short; since the attention kernel's L2 prefetch 1.1-1.3x (benchmarks/kv_scatter.py),
+    and blocks scattered one by one then priced the engine's 1-4-sequence decode steps over 1,024
+    tokens of context 14-26% high (runs of a chunk's 16 blocks: 0.82-0.85x of one by one there)."""
 
-    def __init__(self, engine: Engine, seed: int = 0, prefix: str = "p", scattered: bool = True):
+    def __init__(self, engine: Engine, seed: int = 0, prefix: str = "p", scattered: bool = True,
+                 run: int | None = None):
         self.block_size = engine.config.block_size
         self.num_blocks = engine.runner.kv.num_blocks
-        self.order = list(range(self.num_blocks))
-        if scattered:
-            random.Random(seed + 1).shuffle(self.order)
         # A hybrid KV cache (layer groups, e.g. Gemma 3's local and global layers): a table holds one
         # block per group for each block of tokens, interleaved, as the scheduler's KV manager builds it.
         layout = engine.runner.layout
         self.groups = layout.num_groups if layout is not None else 1
+        self.order = list(range(self.num_blocks))
+        if scattered:
+            if run is None:
+                run = max(1, engine.config.scheduler.prefill_chunk_cap // self.block_size) * self.groups
+            runs = [self.order[i:i + run] for i in range(0, self.num_blocks, run)]
+            random.Random(seed + 1).shuffle(runs)
+            self.order = [b for r in runs for b in r]
         self.vocab = engine.model_config.vocab_size
         self.rng = random.Random(seed)
         self.next_block = 0
@@ -316,33 +326,49 @@ def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
     return check
 
 
-EXTRA = ("decode_context", "prefill_attention", "sampled")
+EXTRA = ("prefill_attention", "sampled")
 
 
 def fit(samples: list[Sample]) -> tuple[StepCostModel, dict]:
     """Least squares on relative error (each sample weighted by 1 / its time). The unknowns: the
-    curve's value at every measured token count, and the extra features' costs; an extra whose
-    cost comes out negative is dropped (set to 0) and the rest refitted."""
+    curve's value at every measured token count, the cost per KV token the decodes read at every
+    measured count of decoding sequences (``context_slopes``: one sequence reads its KV at 1.5x the
+    cost per token of 32, and one slope for all priced batch-1 steps up to 6% high at short contexts
+    and 9% low at 1024), and the extra features' costs; a cost that comes out negative is dropped
+    (set to 0) and the rest refitted.
+    ``decode_context`` is the median slope (a summary; the step's price uses the slopes)."""
     knots = sorted({s.shape.tokens for s in samples})
-    x = np.array([hat_weights(knots, s.shape.tokens) + [getattr(s.shape, "num_sampled" if f == "sampled" else f)
-                                                        for f in EXTRA] for s in samples], dtype=np.float64)
+    batches = sorted({s.shape.decode_tokens for s in samples if s.shape.decode_tokens and not s.shape.prefill_tokens})
+
+    def context_columns(shape: StepShape) -> list[float]:
+        if not shape.decode_tokens or not batches:
+            return [0.0] * len(batches)
+        x = min(max(shape.decode_tokens, batches[0]), batches[-1])
+        return [w * shape.decode_context for w in hat_weights(batches, x)]
+
+    x = np.array([hat_weights(knots, s.shape.tokens) + context_columns(s.shape)
+                  + [getattr(s.shape, "num_sampled" if f == "sampled" else f) for f in EXTRA] for s in samples],
+                 dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     w = 1.0 / y
     active = list(range(x.shape[1]))
+    n, m = len(knots), len(batches)
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        extra_neg = [(c, i) for c, i in zip(coef, active) if i >= len(knots) and c < 0]
+        extra_neg = [(c, i) for c, i in zip(coef, active) if i >= n and c < 0]
         if not extra_neg:
             break
         active.remove(min(extra_neg)[1])
     full = np.zeros(x.shape[1])
     full[active] = np.maximum(coef, 0)
-    n = len(knots)
-    model = StepCostModel(knots, full[:n].tolist(), decode_context=float(full[n]), prefill_attention=float(full[n + 1]),
-                          sampled=float(full[n + 2]), seq=0.0)
+    slopes = full[n:n + m].tolist()
+    model = StepCostModel(knots, full[:n].tolist(), decode_context=float(np.median(slopes)) if slopes else 0.0,
+                          prefill_attention=float(full[n + m]), sampled=float(full[n + m + 1]), seq=0.0,
+                          context_batches=batches, context_slopes=slopes)
     rel = np.abs(x @ full - y) / y
+    names = [f"decode_context@{b}" for b in batches] + list(EXTRA)
     quality = {"samples": len(samples), "mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()),
-               "dropped": [EXTRA[i - n] for i in range(n, x.shape[1]) if i not in active]}
+               "dropped": [names[i - n] for i in range(n, x.shape[1]) if i not in active]}
     return model, quality
 
 
@@ -406,6 +432,8 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: in
     model = StepCostModel(executor_only.knots, [c + fixed for c in executor_only.knot_costs],
                           executor_only.decode_context, executor_only.prefill_attention, executor_only.sampled,
                           per_seq, swap_block=statistics.median(swap_per_block),
+                          context_batches=executor_only.context_batches,
+                          context_slopes=executor_only.context_slopes,
                           after_prefill_tokens=sorted(after_prefill),
                           after_prefill=[after_prefill[n] for n in sorted(after_prefill)],
                           kv_bytes_per_token=engine.model_config.kv_bytes_per_token(getattr(torch, engine.dtype).itemsize))

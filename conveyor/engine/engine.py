@@ -83,7 +83,7 @@ class EngineBackend:
                              layout=layout)
         if tp is not None:
             runner = self._tensor_parallel_executor(runner, tp)
-        self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype)
+        self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype, torch.get_num_threads())
         warn_if_profile_stale(self.cost_model, self.loaded.model)
         costs = preemption_costs(config.scheduler, self.cost_model)   # user-set costs win over the profile
         self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs), runner,
@@ -319,8 +319,8 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     threads, now_threads = (meta.get("machine") or {}).get("threads"), torch.get_num_threads()
     if isinstance(threads, int) and threads != now_threads:
         logger.warning("the step-cost profile was measured with %d torch threads, this engine runs %d: its costs "
-                       "describe another engine; run `conveyor profile --torch-threads %d --out PATH` and give "
-                       "PATH as the cost model", threads, now_threads, now_threads)
+                       "describe another engine; run `conveyor profile --torch-threads %d` (the engine takes "
+                       "that profile for %d threads)", threads, now_threads, now_threads, now_threads)
     digest, now_digest = meta.get("kernels"), kernels_digest()
     if digest is not None and digest != now_digest:
         logger.warning("the step-cost profile was measured with other C++ kernels (sources %s, now %s): its "
@@ -340,13 +340,18 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
                        "describe other kernels; run `conveyor profile` again", saved, now)
 
 
-def load_cost_model(spec: str | None, model_name: str, dtype: str) -> StepCostModel | None:
-    """The profile the auto preemption mode takes its costs from (None: the config's constants)."""
+def load_cost_model(spec: str | None, model_name: str, dtype: str, threads: int | None = None) -> StepCostModel | None:
+    """The profile the auto preemption mode takes its costs from (None: the config's constants). With
+    "auto": the one measured with this engine's `threads` torch threads if there is one (`conveyor
+    profile --torch-threads N`), else the model's plain one, else none."""
     if spec in (None, "", "none"):
         return None
-    path = profile_path(model_name, dtype) if spec == "auto" else Path(spec)
-    if spec == "auto" and not path.is_file():
-        return None
+    path = Path(spec)
+    if spec == "auto":
+        path = next((p for p in (profile_path(model_name, dtype, threads), profile_path(model_name, dtype))
+                     if p.is_file()), None)
+        if path is None:
+            return None
     model = StepCostModel.load(path)
     logger.info("preemption costs from the profile %s", path)
     return model

@@ -95,9 +95,10 @@ class StepShape:
 
 @dataclass(slots=True)
 class StepCostModel:
-    """Seconds per step = M(tokens) + decode_context * (KV tokens the decodes read)
+    """Seconds per step = M(tokens) + c(sequences decoding) * (KV tokens the decodes read)
     + prefill_attention * (query-key pairs of the prefill chunks) + sampled * (sampled sequences)
-    + seq * (sequences).
+    + seq * (sequences); c is ``decode_context``, or per number of sequences decoding where the
+    profile fitted one (``context_slopes``).
 
     M, the cost of a step's matmuls (and everything else fixed or per token), is piecewise
     linear through measured token counts (``knots``, ``knot_costs``): on a CPU the cost per token
@@ -134,6 +135,14 @@ class StepCostModel:
     # (interpolated between, flat past the ends; `conveyor profile` measures it; empty: none).
     after_prefill_tokens: list[int] = field(default_factory=list)
     after_prefill: list[list[float]] = field(default_factory=list)
+    # The cost per KV token the decodes read falls with the number of sequences decoding together
+    # (measured on a Zen4 VM, bf16, one and two threads: one sequence 1.45-1.5x the slope fitted for
+    # all, 32 sequences 0.9x; one shared slope priced batch-1 decode steps up to 6% high at short
+    # contexts and 9% low at 1024). ``context_slopes[i]``: the slope with ``context_batches[i]``
+    # sequences decoding (interpolated between, flat past the ends; `conveyor profile` fits them);
+    # empty: ``decode_context`` whatever the batch.
+    context_batches: list[int] = field(default_factory=list)
+    context_slopes: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.knots) != len(self.knot_costs) or not self.knots or sorted(set(self.knots)) != list(self.knots):
@@ -143,6 +152,9 @@ class StepCostModel:
         if len(self.after_prefill) != len(self.after_prefill_tokens) or \
                 sorted(set(self.after_prefill_tokens)) != list(self.after_prefill_tokens):
             raise ValueError("after_prefill: one curve per prefill size, sizes increasing")
+        if len(self.context_slopes) != len(self.context_batches) or \
+                sorted(set(self.context_batches)) != list(self.context_batches):
+            raise ValueError("context_slopes: one slope per batch size, sizes increasing")
 
     def after_prefill_time(self, prefill_tokens: int, k: int) -> float:
         """Extra seconds of the k-th (from 0) decode-only step after a step that carried
@@ -154,6 +166,13 @@ class StepCostModel:
         weights = hat_weights(self.after_prefill_tokens, x)
         return sum(w * (curve[k] if k < len(curve) else 0.0) for w, curve in zip(weights, self.after_prefill))
 
+    def context_slope(self, decoding: int) -> float:
+        """Seconds per KV token read with `decoding` sequences decoding in the step."""
+        if not self.context_batches:
+            return self.decode_context
+        x = min(max(decoding, self.context_batches[0]), self.context_batches[-1])
+        return sum(w * c for w, c in zip(hat_weights(self.context_batches, x), self.context_slopes))
+
     def token_cost(self, tokens: int) -> float:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
 
@@ -162,7 +181,7 @@ class StepCostModel:
 
     def shape_time(self, s: StepShape) -> float:
         """A step of this shape (without `between_steps`, which follows it)."""
-        t = (self.token_cost(s.tokens) + self.decode_context * s.decode_context
+        t = (self.token_cost(s.tokens) + self.context_slope(s.decode_tokens) * s.decode_context
              + self.prefill_attention * s.prefill_attention + self.sampled * s.num_sampled + self.seq * s.num_seqs)
         return t * self.scale(s)
 
@@ -193,6 +212,7 @@ class StepCostModel:
                             for k in self.knots]
         return replace(self, knot_costs=[c * f for c, f in zip(self.knot_costs, knot_factors)],
                        decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
+                       context_slopes=[c * factor for c in self.context_slopes],
                        sampled=self.sampled * factor, seq=self.seq * factor, swap_block=self.swap_block * factor,
                        between_steps=self.between_steps * factor,
                        after_prefill=[[t * factor for t in curve] for curve in self.after_prefill], meta=dict(self.meta))

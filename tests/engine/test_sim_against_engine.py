@@ -148,21 +148,30 @@ def test_profile_measures_both_sides_of_each_kernel_switch(make_engine, caplog):
         measured.meta["machine"]["threads"] = torch.get_num_threads() + 1
         warn_if_profile_stale(measured, model)
         assert f"{torch.get_num_threads() + 1} torch threads" in caplog.text
+        assert f"`conveyor profile --torch-threads {torch.get_num_threads()}`" in caplog.text
 
 
 def test_the_profiles_sequences_get_scattered_blocks_of_their_own(make_engine):
-    """A serving engine's block tables are scattered over the cache once requests have come and gone,
-    and reading scattered KV costs more than reading consecutive blocks (1.3-1.6x at 1,024 tokens of
-    context on the Zen4): the profile's synthetic sequences get blocks in a shuffled order, each its own."""
+    """A serving engine's block tables are not one run of consecutive blocks once requests have come and
+    gone, and reading scattered KV costs more than reading consecutive blocks (1.2-1.3x at 1,024 tokens of
+    context on the Zen4 with one block per place): the profile's synthetic sequences get blocks of their
+    own from runs of one prompt chunk's consecutive blocks (as the scheduler allocates a chunk's from its
+    free queue) in a shuffled order."""
     from conveyor.profile import _Plans
 
-    engine = make_engine(num_kv_blocks=64, block_size=4)
+    engine = make_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    chunk = engine.config.scheduler.prefill_chunk_cap // 4   # blocks of one prompt chunk: 16
     plans = _Plans(engine)
+    runs = [plans.order[i:i + chunk] for i in range(0, 64, chunk)]
+    assert all(r == list(range(r[0], r[0] + chunk)) and r[0] % chunk == 0 for r in runs)   # consecutive runs ...
+    assert sorted(plans.order) == list(range(64)) and plans.order != list(range(64))        # ... shuffled
     seqs = [plans.seq(8, 1) for _ in range(4)]   # 9 tokens of 4 per block: 3 blocks each
     tables = [s.new_block_ids for s in seqs]
     flat = [b for t in tables for b in t]
     assert len(flat) == 12 and len(set(flat)) == 12 and all(0 <= b < 64 for b in flat)   # no block shared
-    assert any(b != a + 1 for t in tables for a, b in zip(t, t[1:]))   # not runs of consecutive blocks
+    ones = _Plans(engine, run=1)   # every block on its own (benchmarks/kv_scatter.py's "scattered")
+    single = [ones.seq(8, 1).new_block_ids for _ in range(4)]
+    assert any(b != a + 1 for t in single for a, b in zip(t, t[1:]))
     assert _Plans(engine, scattered=False).seq(8, 1).new_block_ids == [0, 1, 2]   # the old tables, for A/B
     engine.runner.execute(plans.plan(seqs))   # the runner takes them
     again = _Plans(engine)

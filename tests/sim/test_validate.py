@@ -363,3 +363,89 @@ def test_a_machine_that_slows_down_mid_run_is_replayed_by_its_speed_timeline():
     assert worst(simulate(requests, CONFIG, num_blocks=400, cost=truth, seed=seed, speed=timeline)) < 0.07
     mean = statistics.fmean(timeline.factors)
     assert worst(simulate(requests, CONFIG, num_blocks=400, cost=truth.scaled(mean), seed=seed)) > 0.15
+
+
+def test_the_cost_per_kv_token_read_follows_the_number_of_sequences_decoding(tmp_path):
+    """One sequence reads its KV at a higher cost per token than many together (1.5x the slope of 32 on a
+    Zen4 VM): with per-batch slopes a step's context term is interpolated between the measured batch
+    sizes and flat past them; without them `decode_context` applies to every batch."""
+    per = replace(PROFILE, decode_context=2e-6, context_batches=[1, 8, 32], context_slopes=[3e-6, 2e-6, 1.5e-6])
+
+    def decoding(n: int, ctx: int) -> StepShape:
+        return StepShape(decode_tokens=n, decode_context=n * ctx, num_seqs=n, num_sampled=n)
+
+    base = replace(per, context_batches=[], context_slopes=[], decode_context=0.0)
+    for n, slope in ((1, 3e-6), (8, 2e-6), (32, 1.5e-6), (64, 1.5e-6), (4, 3e-6 - 3 / 7 * 1e-6), (20, 1.75e-6)):
+        s = decoding(n, 1000)
+        assert per.context_slope(n) == pytest.approx(slope)
+        assert per.shape_time(s) - base.shape_time(s) == pytest.approx(slope * n * 1000)
+    shared = replace(per, context_batches=[], context_slopes=[])
+    assert shared.shape_time(decoding(1, 1000)) - base.shape_time(decoding(1, 1000)) == pytest.approx(2e-3)
+    prefill = StepShape(prefill_tokens=64, prefill_attention=2080, num_seqs=1, num_sampled=1)
+    assert per.shape_time(prefill) == shared.shape_time(prefill)   # no decodes: no context term
+    assert per.scaled(1.25).shape_time(decoding(3, 700)) == pytest.approx(1.25 * per.shape_time(decoding(3, 700)))
+    per.save(tmp_path / "p.json")
+    loaded = StepCostModel.load(tmp_path / "p.json")
+    assert (loaded.context_batches, loaded.context_slopes) == (per.context_batches, per.context_slopes)
+    with pytest.raises(ValueError, match="one slope per batch size"):
+        replace(PROFILE, context_batches=[1, 8], context_slopes=[3e-6])
+
+
+def test_the_profile_fit_finds_a_context_slope_per_batch_size():
+    """`conveyor profile`'s fit, given steps from a machine whose cost per KV token falls with the batch,
+    prices every measured shape exactly and finds each batch size's slope (one shared slope could not:
+    the batch-1 steps it priced 5% high at 128 tokens of context and 9% low at 1024)."""
+    from conveyor.profile import Sample, fit
+
+    batches = [1, 2, 4, 8, 16, 32]
+    slopes = [3.0e-6, 2.6e-6, 2.3e-6, 2.0e-6, 1.9e-6, 1.85e-6]
+    shapes = [("decode", StepShape(decode_tokens=b, decode_context=b * (c + 1), num_seqs=b, num_sampled=b))
+              for b in batches for c in (32, 128, 512, 1024)]
+    shapes += [("prefill", StepShape(prefill_tokens=n, prefill_attention=n * (c + (n + 1) / 2), num_seqs=1,
+                                     num_sampled=1, prefill_context=c)) for n in (16, 64, 256) for c in (0, 256, 1024)]
+    shapes += [("mixed", StepShape(prefill_tokens=64, decode_tokens=8, decode_context=8 * 257,
+                                   prefill_attention=64 * 32.5, num_seqs=9, num_sampled=9))]
+    knots = sorted({s.tokens for _, s in shapes})
+    truth = StepCostModel(knots, [0.004 + 0.0009 * k for k in knots], prefill_attention=8e-7, sampled=2e-4, seq=0.0,
+                          context_batches=batches, context_slopes=slopes)
+    model, quality = fit([Sample(kind, s, truth.shape_time(s)) for kind, s in shapes])
+    assert model.context_batches == batches and model.context_slopes == pytest.approx(slopes, rel=1e-6)
+    assert quality["mean_abs_rel_error"] < 1e-9 and quality["dropped"] == []
+    for _, s in shapes:
+        assert model.shape_time(s) == pytest.approx(truth.shape_time(s), rel=1e-6)
+    assert model.decode_context == pytest.approx(statistics.median(slopes))
+
+
+
+def test_a_profile_measured_with_n_threads_is_the_one_an_engine_of_n_threads_takes(tmp_path, monkeypatch, capsys):
+    """`conveyor profile --torch-threads N` saves to ``<model>-<dtype>-<N>threads.json`` (one thread's steps
+    cost 1.3-1.9x two threads' on a 2-vCPU VM), and an engine running N threads takes that profile before
+    the plain one, which the others (and an engine of N threads without one of its own) keep taking."""
+    import types
+
+    import conveyor.engine.engine as engine_module
+    import conveyor.profile as profile_module
+    from conveyor.cli import main
+    from conveyor.engine.engine import load_cost_model
+    from conveyor.paths import profile_path
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CONVEYOR_PROBES", "cache")   # the command sets it if unset: restored after the test
+    plain, one = profile_path("m", "bfloat16"), profile_path("m", "bfloat16", 1)
+    assert one == plain.with_name("m-bfloat16-1threads.json")
+    assert load_cost_model("auto", "m", "bfloat16", 1) is None   # nothing saved yet
+    replace(PROFILE, swap_block=0.5).save(plain)
+    assert load_cost_model("auto", "m", "bfloat16", 1).swap_block == 0.5   # none of its own: the plain one
+    # the CLI: the engine and the measurement stand-ins, the paths real
+    monkeypatch.setattr(engine_module, "Engine", lambda config: types.SimpleNamespace(model_name="m", dtype="bfloat16"))
+    measured = replace(PROFILE, swap_block=0.25, meta={"fit": {"samples": 1, "mean_abs_rel_error": 0.0,
+                                                              "max_abs_rel_error": 0.0}})
+    monkeypatch.setattr(profile_module, "profile", lambda engine, **kw: measured)
+    assert main(["profile", "--torch-threads", "1"]) == 0
+    assert f"saved {one}" in capsys.readouterr().out
+    assert load_cost_model("auto", "m", "bfloat16", 1).swap_block == 0.25
+    assert load_cost_model("auto", "m", "bfloat16", 2).swap_block == 0.5
+    assert load_cost_model("auto", "m", "bfloat16").swap_block == 0.5
+    assert load_cost_model("none", "m", "bfloat16", 1) is None
+    assert load_cost_model(str(plain), "m", "bfloat16", 1).swap_block == 0.5   # a path given wins
+    assert main(["profile"]) == 0 and f"saved {plain}" in capsys.readouterr().out
