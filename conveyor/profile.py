@@ -31,7 +31,7 @@ from tqdm import tqdm
 from conveyor.engine.engine import Engine
 from conveyor.model.cpu_kernels import kernels_digest
 from conveyor.sampling.params import SamplingParams
-from conveyor.scheduler.costs import StepCostModel, StepShape, hat_weights
+from conveyor.scheduler.costs import StepCostModel, StepShape, flat_hat_weights, hat_weights
 from conveyor.scheduler.output import NewRequestData, ScheduledSeq, SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20)
@@ -343,8 +343,7 @@ def fit(samples: list[Sample]) -> tuple[StepCostModel, dict]:
     def context_columns(shape: StepShape) -> list[float]:
         if not shape.decode_tokens or not batches:
             return [0.0] * len(batches)
-        x = min(max(shape.decode_tokens, batches[0]), batches[-1])
-        return [w * shape.decode_context for w in hat_weights(batches, x)]
+        return [w * shape.decode_context for w in flat_hat_weights(batches, shape.decode_tokens)]
 
     x = np.array([hat_weights(knots, s.shape.tokens) + context_columns(s.shape)
                   + [getattr(s.shape, "num_sampled" if f == "sampled" else f) for f in EXTRA] for s in samples],

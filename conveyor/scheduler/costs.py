@@ -162,16 +162,14 @@ class StepCostModel:
         that is not such a decode step, as ``AfterPrefill.advance`` reports it)."""
         if not self.after_prefill or k < 0:
             return 0.0
-        x = min(max(prefill_tokens, self.after_prefill_tokens[0]), self.after_prefill_tokens[-1])
-        weights = hat_weights(self.after_prefill_tokens, x)
+        weights = flat_hat_weights(self.after_prefill_tokens, prefill_tokens)
         return sum(w * (curve[k] if k < len(curve) else 0.0) for w, curve in zip(weights, self.after_prefill))
 
     def context_slope(self, decoding: int) -> float:
         """Seconds per KV token read with `decoding` sequences decoding in the step."""
         if not self.context_batches:
             return self.decode_context
-        x = min(max(decoding, self.context_batches[0]), self.context_batches[-1])
-        return sum(w * c for w, c in zip(hat_weights(self.context_batches, x), self.context_slopes))
+        return sum(w * c for w, c in zip(flat_hat_weights(self.context_batches, decoding), self.context_slopes))
 
     def token_cost(self, tokens: int) -> float:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
@@ -190,8 +188,7 @@ class StepCostModel:
         curve = self.prefill_scales if s.prefill_tokens else self.decode_scales
         if not curve:
             return 1.0
-        tokens = min(max(s.tokens, self.knots[0]), self.knots[-1])   # flat past the ends
-        return max(0.0, sum(w * c for w, c in zip(hat_weights(self.knots, tokens), curve)))
+        return max(0.0, sum(w * c for w, c in zip(flat_hat_weights(self.knots, s.tokens), curve)))
 
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_block
@@ -208,7 +205,7 @@ class StepCostModel:
         knot_factors = [factor] * len(self.knots)
         if by_tokens:
             sizes, factors = map(list, zip(*sorted(by_tokens.items())))
-            knot_factors = [sum(w * f for w, f in zip(hat_weights(sizes, min(max(k, sizes[0]), sizes[-1])), factors))
+            knot_factors = [sum(w * f for w, f in zip(flat_hat_weights(sizes, k), factors))
                             for k in self.knots]
         return replace(self, knot_costs=[c * f for c, f in zip(self.knot_costs, knot_factors)],
                        decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
@@ -278,3 +275,8 @@ def hat_weights(knots: list[int], x: float) -> list[float]:
     f = (x - lo) / (hi - lo)
     w[i], w[i + 1] = 1.0 - f, f
     return w
+
+
+def flat_hat_weights(knots: list[int], x: float) -> list[float]:
+    """``hat_weights`` flat past the ends: x clamped to the first and last knot."""
+    return hat_weights(knots, min(max(x, knots[0]), knots[-1]))

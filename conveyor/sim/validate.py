@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from conveyor.engine.trace import StepTracer
-from conveyor.scheduler.costs import AfterPrefill, StepCostModel, StepShape, hat_weights
+from conveyor.scheduler.costs import AfterPrefill, StepCostModel, StepShape, flat_hat_weights
 
 RUN = 16        # held out: every other run of this many consecutive steps
 # Knots the trace barely touches: each factor is pulled towards its neighbours' (SMOOTH, in steps'
@@ -229,8 +229,7 @@ def _fit_curve(cost: StepCostModel, steps: list[TracedStep], between: float) -> 
         y = s.seconds - cost.swap_time(s.swap_blocks) - after_prefill(cost, s) - between
         if p <= 0 or y <= 0:
             continue
-        tokens = min(max(s.shape.tokens, cost.knots[0]), cost.knots[-1])
-        h = np.array(hat_weights(cost.knots, tokens))
+        h = np.array(flat_hat_weights(cost.knots, s.shape.tokens))
         rows.append(h)
         ratios.append(y / p)
         evidence += h ** 2
