@@ -19,11 +19,12 @@ queue, not a step cost) and left the heavy-tailed and shared-prefix ones far fro
 - long prompts (600-1500 tokens, chunked under the 1024-token budget);
 - and forced preemption (a 40-block KV cache, optimistic admission, overloaded at 150%).
 
-A third model, "checked", is the corrected one scaled by a speed check just before each run
-(``conveyor profile --recheck``: the profile's probe steps timed again, their median ratio against the
-median at the calibration; with ``--check by-size`` each probe's ratio against its own then, interpolated
-over the step-cost curve by step size): how much of the error is this shared machine's drift from one run
-to the next.
+A third model, "checked", is the profile scaled by a speed check just before each run (``conveyor
+profile --recheck``: the profile's probe steps timed again against what its fit prices them at; by
+default each probe's ratio, interpolated over the step-cost curve by step size, ``--check median`` their
+median ratio as ``--recheck --rescale`` applies it): how much of the error is this shared machine's
+drift from the profile to the run. (Until 2026-12-06 it was the corrected model scaled by the check's
+ratio to the check at the calibration, and the checks compared with the probes' times at the profile.)
 
 A fourth model, "recent", follows the machine the way a server could: the profile corrected on the step
 traces of the last few real runs (``--recent N``, default 4: the two cells before, at two seeds), as
@@ -120,16 +121,14 @@ def relative(sims: list[SimResult], real: dict[str, float]) -> dict[str, float]:
             "preemptions": sum(r.stats.num_preemptions for r in sims)}
 
 
-def rescaled(model: StepCostModel, check: dict, then: dict, by_size: bool) -> StepCostModel:
-    """`model` (fitted when the speed check `then` ran) at the speed the check `check` measured: the
-    median ratio against the median then (as ``profile --recheck --rescale``), or with `by_size` each
-    probe step's ratio against its ratio then, over the step-cost curve by step size."""
-    by_tokens = {n: r / then["by_tokens"][n] for n, r in check["by_tokens"].items() if n in then["by_tokens"]}
-    return model.scaled((check["factor"] or 1.0) / (then["factor"] or 1.0), by_tokens if by_size else None)
+def rescaled(model: StepCostModel, check: dict, by_size: bool) -> StepCostModel:
+    """The profile `model` at the speed the check `check` measured: by the median ratio (as ``profile
+    --recheck --rescale``), or with `by_size` by each probe step's ratio over the step-cost curve by size."""
+    return model.scaled(check["factor"] or 1.0, check["by_tokens"] if by_size else None)
 
 
 def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation: float, cost: StepCostModel,
-               corrected: StepCostModel, calibration_check: dict, recent: StepCostModel, seeds: list[int],
+               corrected: StepCostModel, recent: StepCostModel, seeds: list[int],
                by_size: bool, traces_dir: Path | None = None) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
     each run) and in the simulator under the five models; errors of the metrics pooled over the seeds.
@@ -154,7 +153,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
     family = {k: v for k, v in knobs.items() if k != "rate"}
     measured = family_saturation(family, base_knobs["num_requests"], own, engine_knobs(eng))
     models = {"profile": [cost] * len(specs), "corrected": [corrected] * len(specs),
-              "checked": [rescaled(corrected, check, calibration_check, by_size) for check in checks],
+              "checked": [rescaled(cost, check, by_size) for check in checks],
               "recent": [recent] * len(specs), "own": [own] * len(specs)}
     speeds = [c["factor"] or 1.0 for c in checks]
     row = {"family": name, "rate": specs[0].rate, "saturation_req_s": saturation, "seeds": seeds,
@@ -196,9 +195,9 @@ def main() -> None:
     ap.add_argument("--families", help="comma-separated (parts of) family names to run; all by default")
     ap.add_argument("--recent", type=int, default=4,
                     help="the recent model: the profile corrected on the step traces of the last N real runs")
-    ap.add_argument("--check", choices=("median", "by-size"), default="median",
-                    help="the checked model: the corrected one scaled by the speed check's median ratio (as "
-                         "`profile --recheck --rescale`), or by each probe's ratio over the step-cost curve by size")
+    ap.add_argument("--check", choices=("median", "by-size"), default="by-size",
+                    help="the checked model: the profile scaled by each probe's ratio over the step-cost curve "
+                         "by size, or by their median ratio (as `profile --recheck --rescale`)")
     ap.add_argument("--torch-threads", type=int,
                     help="the engines' torch threads (default: all cores); the profile then defaults to one of its own")
     ap.add_argument("--profile", help="the cost profile (made there if missing; default: the engine's, "
@@ -252,7 +251,7 @@ def main() -> None:
     for i, (name, eng, knobs, capacity) in enumerate(runs):
         if window:
             recent, _ = calibrate([t for _, t in window], cost)
-        row, traces = family_row(name, eng, knobs, base_knobs, capacity, cost, corrected, calibration_check, recent,
+        row, traces = family_row(name, eng, knobs, base_knobs, capacity, cost, corrected, recent,
                                  seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size",
                                  traces_dir=traces_dir)
         row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
@@ -278,13 +277,15 @@ def main() -> None:
                      "saturation_req_s": saturation, "load_of": args.load_of,
                      "saturation_per_family_req_s": own, "workload": base_knobs, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
+                     "speed_reference": "fit",
                      "correction": {"meta": corrected.meta["calibration"],
                                     "knots": corrected.knots, "decode_scales": corrected.decode_scales,
                                     "prefill_scales": corrected.prefill_scales,
                                     "between_steps_s": corrected.between_steps},
                      "families": rows},
          f"simulator error ({n} requests x {args.seeds} seed(s) per family and load), profile -> profile + trace "
-         "correction (fitted on a uniform run at 70%) -> the correction scaled by a speed check before each run -> "
+         "correction (fitted on a uniform run at 70%) -> the profile scaled by a speed check before each run "
+         f"({args.check}, against the profile's fit) -> "
          f"the profile corrected on the last {args.recent} real runs' traces (other families); "
          "(own: corrected on the cell's own traces, a diagnostic): "
          + line)

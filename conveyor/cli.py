@@ -99,10 +99,10 @@ def _recheck(engine, path: Path, rescale: bool) -> int:
 
     check = recheck_profile(engine, path, rescale)
     for name, ratio in check["ratios"].items():
-        print(f"{name:>16}: {1e3 * check['then_s'][name]:8.2f} ms when profiled, {1e3 * check['now_s'][name]:8.2f} ms now "
-              f"({ratio:.2f}x)")
-    print(f"this machine runs the profile's steps {check['factor']:.2f}x as long as when it was profiled "
-          f"({check['profiled']})")
+        print(f"{name:>16}: {1e3 * check['then_s'][name]:8.2f} ms as the profile prices it, "
+              f"{1e3 * check['now_s'][name]:8.2f} ms now ({ratio:.2f}x)")
+    print(f"this machine runs the profile's steps {check['factor']:.2f}x as long as the profile prices them "
+          f"(profiled {check['profiled']})")
     if rescale:
         print(f"rescaled by {check['factor']:.2f} and saved {path}")
     return 0
@@ -134,7 +134,7 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests in the sustained run (default 60)")
     p.add_argument("--recheck", action="store_true",
                    help="instead of profiling: time the saved profile's probe steps again (seconds) and say how much "
-                        "slower or faster this machine runs now than when it was profiled")
+                        "slower or faster this machine runs them now than the profile prices them")
     p.add_argument("--rescale", action="store_true", help="with --recheck: save the profile scaled by that factor")
     add_engine_args(p, skip=("cost_model", "step_trace"))
     p.set_defaults(func=cmd_profile)

@@ -15,6 +15,7 @@ with non-negative coefficients, and saved as JSON with the machine and model it 
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import random
@@ -242,9 +243,10 @@ def measure_engine_overhead(engine: Engine, batch: int, steps: int = 12) -> floa
 
 
 # A speed check: a few of the profile's own step shapes (kind, tokens, context), timed again later and
-# compared with their times when the profile was taken (``meta.probe``). A shared machine's speed
-# drifts by ~10% from one minute to the next (docs/simulator.md), and a capacity plan or a validation
-# priced at the profile's speed carries that error, amplified by the queue near saturation.
+# compared with what the profile's fit prices them at (``meta.probe_fit``; their times when the
+# profile was taken are ``meta.probe``). A shared machine's speed drifts by ~10% from one minute to
+# the next (docs/simulator.md), and a capacity plan or a validation priced at the profile's speed
+# carries that error, amplified by the queue near saturation.
 WARM_UP_SECONDS = 1.0
 PROBE = (("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128), ("prefill", 256, 0))
 
@@ -254,13 +256,8 @@ def probe_label(kind: str, n: int, ctx: int) -> str:
     return f"{kind} {n}@{ctx}"
 
 
-def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of each ``PROBE`` step that fits this engine's batch and KV cache, by label
-    (``decode 8@128``: 8 sequences at 128 tokens of context; ``prefill 256@0``: a 256-token chunk).
-    For an idle engine: like the profile, the probe writes KV into any block, so it also forgets the
-    prefix cache."""
-    plans = _Plans(engine, seed=1, prefix="probe-")
-    runner = engine.runner
+def _probe_seqs(engine: Engine, plans: _Plans) -> dict[str, list[ScheduledSeq]]:
+    """The sequences of each ``PROBE`` step that fits this engine's batch and KV cache, by label."""
     built = {}
     for kind, n, ctx in PROBE:
         if kind == "decode":
@@ -272,6 +269,51 @@ def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
                 continue
             seqs = [plans.seq(ctx, n)]
         built[probe_label(kind, n, ctx)] = seqs
+    return built
+
+
+def probe_shapes(engine: Engine) -> dict[str, StepShape]:
+    """The shape of each probe step `probe_times` times on this engine, by label."""
+    plans = _Plans(engine, seed=1, prefix="probe-")
+    return {label: StepShape.of(plans.plan(seqs)) for label, seqs in _probe_seqs(engine, plans).items()}
+
+
+def probe_reference(cost: StepCostModel) -> dict[str, float]:
+    """What a speed check compares each probe step's time of now with: the profile's fit at the
+    probe's shape (``meta.probe_fit``; in a profile saved before it, the fitted time of its sample of
+    that shape, times the factors of the ``--rescale``s since), else the probe's own time when
+    profiled (``meta.probe``).
+
+    Why the fit: the check's factor scales the fitted model, so it must say how far the machine is
+    now from what the model prices, not from one moment of the profile. The probes are timed at the
+    profile's end, minutes after its samples, and on the Zen4 VM the two disagreed at the same shape
+    by up to 28% (batch 8: 1.28x the fit, batch 1 0.82x in another); a check against the probe times
+    carried that error into every factor (over the same runs the step cost followed the factors to
+    the power 0.68 at one thread, 0.27 at two; against the fit 0.81 and 0.45: docs/simulator.md)."""
+    meta = cost.meta
+    probe = meta.get("probe") or {}
+    fit = dict(meta.get("probe_fit") or {})
+    rescaled = math.prod(c["factor"] for c in meta.get("speed_checks", []))   # on the model, not its samples
+    for label in probe.keys() - fit.keys():
+        kind, at = label.split(" ", 1)
+        n, ctx = map(int, at.split("@"))
+        for s in meta.get("samples", []):
+            same = (s["decode_context"] == n * (ctx + 1) if kind == "decode"
+                    else s["prefill_attention"] == n * (ctx + (n + 1) / 2))
+            if s["kind"] == kind and s["tokens"] == n and same:
+                fit[label] = s["fitted_s"] * rescaled
+                break
+    return {label: fit.get(label, t) for label, t in probe.items()}
+
+
+def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of each ``PROBE`` step that fits this engine's batch and KV cache, by label
+    (``decode 8@128``: 8 sequences at 128 tokens of context; ``prefill 256@0``: a 256-token chunk).
+    For an idle engine: like the profile, the probe writes KV into any block, so it also forgets the
+    prefix cache."""
+    plans = _Plans(engine, seed=1, prefix="probe-")
+    runner = engine.runner
+    built = _probe_seqs(engine, plans)
     # Warm up first: in a fresh process the first 0.1-0.3 s of steps ran up to 1.5x slower (batch 1
     # decoding 5.3 instead of 3.5 ms), more than one warm-up step absorbs.
     start = time.perf_counter()
@@ -287,15 +329,16 @@ def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
 
 
 def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
-    """How much slower (> 1) or faster this machine runs the profile's probe steps now than when
-    `cost` was profiled: per probe and their median (``factor``, what ``StepCostModel.scaled`` takes).
-    A profile saved before probes were recorded has none: ``factor`` is then None."""
-    then = cost.meta.get("probe") or {}
+    """How much slower (> 1) or faster this machine runs the profile's probe steps now than `cost`
+    prices them (`probe_reference`): per probe and their median (``factor``, what
+    ``StepCostModel.scaled`` takes). A profile saved before probes were recorded has none: ``factor``
+    is then None."""
+    then = probe_reference(cost)
     now = probe_times(engine, repeats)
     ratios = {k: now[k] / then[k] for k in now if then.get(k)}
     # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
     # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
-    # `--rescale` takes the median: on the Zen4 the by-size scaling predicted no better (docs/simulator.md).
+    # `--rescale` takes the median; sim_calibration's "checked" model scales by size.
     labels = {n: probe_label(kind, n, ctx) for kind, n, ctx in PROBE}
     by_tokens = {n: ratios[label] for n, label in labels.items() if label in ratios}
     return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
@@ -304,8 +347,9 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
 
 def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
     """``conveyor profile --recheck [--rescale]``: the speed check of the profile saved at `path`; with
-    `rescale`, the profile saved again scaled by its factor, with the probe times of now (the next
-    check compares with them) and the check's date and factor in ``meta.speed_checks``."""
+    `rescale`, the profile saved again scaled by its factor, with the probe times of now, the scaled
+    fit's prices of the probes (what the next check compares with) and the check's date and factor in
+    ``meta.speed_checks``."""
     from pathlib import Path
 
     path = Path(path)
@@ -320,6 +364,7 @@ def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
     if rescale:
         scaled = cost.scaled(check["factor"])
         scaled.meta["probe"] = check["now_s"]
+        scaled.meta["probe_fit"] = {k: t * check["factor"] for k, t in check["then_s"].items()}
         scaled.meta["speed_checks"] = [*cost.meta.get("speed_checks", []), {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "factor": check["factor"]}]
         scaled.save(path)
@@ -422,7 +467,8 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: in
     batch = min(32, engine.config.scheduler.max_num_seqs)
     large = measure_engine_overhead(engine, batch)
     bar.update(1)
-    probe = probe_times(engine)   # the reference of later speed checks
+    probe = probe_times(engine)   # later speed checks time these steps again
+    probe_fit = {label: executor_only.shape_time(shape) for label, shape in probe_shapes(engine).items()}
     bar.update(1)
     bar.close()
     per_seq = max(0.0, (large - small) / max(1, batch - 1))
@@ -441,6 +487,7 @@ def profile(engine: Engine, *, quick: bool = False, repeats: int = 3, passes: in
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "fit": quality,
         "dispatch_thresholds": dispatch_thresholds(engine), "kernels": kernels_digest(),
         "engine_overhead_s": {"batch_1": small, f"batch_{batch}": large}, "probe": probe,
+        "probe_fit": probe_fit,
         "samples": [{"kind": s.kind, "measured_s": s.seconds, "fitted_s": executor_only.shape_time(s.shape),
                      "tokens": s.shape.tokens, "decode_context": s.shape.decode_context,
                      "prefill_attention": s.shape.prefill_attention, "sampled": s.shape.num_sampled}

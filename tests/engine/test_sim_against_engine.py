@@ -178,11 +178,38 @@ def test_the_profiles_sequences_get_scattered_blocks_of_their_own(make_engine):
     assert [again.seq(8, 1).new_block_ids for _ in range(4)] == tables   # the same order every time (seeded)
 
 
+def test_a_speed_check_compares_with_the_profiles_fit_where_it_has_one():
+    """A check's reference per probe: the fit's price saved with the profile (``meta.probe_fit``), else
+    (profiles saved before it) the fitted time of the profile's sample of the probe's shape, else the
+    probe's own time when profiled."""
+    from conveyor.profile import probe_reference
+
+    probe = {"decode 1@128": 0.010, "decode 8@128": 0.030, "prefill 256@0": 0.400}
+    samples = [{"kind": "decode", "tokens": 1, "decode_context": 129, "prefill_attention": 0, "fitted_s": 0.008},
+               {"kind": "decode", "tokens": 8, "decode_context": 8 * 513, "prefill_attention": 0, "fitted_s": 0.05},
+               {"kind": "prefill", "tokens": 256, "decode_context": 0, "prefill_attention": 256 * 257 / 2,
+                "fitted_s": 0.5}]
+    older = StepCostModel([1], [0.01], meta={"probe": probe, "samples": samples})
+    # decode 8 was sampled at 512 tokens of context only: its probe time stands
+    assert probe_reference(older) == {"decode 1@128": 0.008, "decode 8@128": 0.030, "prefill 256@0": 0.5}
+    newer = StepCostModel([1], [0.01], meta={"probe": probe, "samples": samples,
+                                             "probe_fit": {"decode 1@128": 0.009, "decode 8@128": 0.02,
+                                                           "prefill 256@0": 0.45}})
+    assert probe_reference(newer) == newer.meta["probe_fit"]
+    # rescaled twice before probe_fit was saved: the model, not its samples, was multiplied by the factors
+    rescaled = StepCostModel([1], [0.01], meta={"probe": probe, "samples": samples,
+                                                "speed_checks": [{"factor": 1.5}, {"factor": 0.8}]})
+    assert probe_reference(rescaled) == pytest.approx({"decode 1@128": 0.008 * 1.2, "decode 8@128": 0.030,
+                                                       "prefill 256@0": 0.5 * 1.2})
+    assert probe_reference(StepCostModel([1], [0.01], meta={"probe": probe})) == probe
+    assert probe_reference(StepCostModel([1], [0.01])) == {}
+
+
 def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_path):
     """`conveyor profile --recheck [--rescale]`: a profile keeps a few of its step shapes' times (its
-    probe); a later check times them again and gives the machine's drift as their median ratio (and each
-    one's ratio by its token count); the rescaled profile prices every step by that factor and compares the
-    next check with the new times.
+    probe) and its fit's prices of them; a later check times them again and gives the machine's drift as
+    their median ratio to the fit's prices (and each one's ratio by its token count); the rescaled profile
+    prices every step by that factor and compares the next check with its own prices of the probes.
     A profile's sweeps (`passes`) give one sample per shape; it measures the decode steps after a chunk."""
     import statistics
 
@@ -195,15 +222,20 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     # the decode steps after a 64-token chunk, measured apart (on this tiny model the caches hardly care)
     assert model.after_prefill_tokens == [64] and len(model.after_prefill[0]) == AFTER_PREFILL_STEPS
     assert all(t >= 0 for t in model.after_prefill[0])
-    probe = model.meta["probe"]
-    assert set(probe) == {"decode 1@128", "decode 8@128", "prefill 256@0"}   # 32 sequences exceed max_num_seqs
-    assert all(t > 0 for t in probe.values())
+    probe, fit = model.meta["probe"], model.meta["probe_fit"]
+    # (32 sequences exceed max_num_seqs)
+    assert set(probe) == set(fit) == {"decode 1@128", "decode 8@128", "prefill 256@0"}
+    assert all(t > 0 for t in [*probe.values(), *fit.values()])
+    # the fit's price of a probe is the fit's price of the profile's sample of that shape (a 256-token chunk)
+    chunk = [s for s in model.meta["samples"] if s["kind"] == "prefill" and s["tokens"] == 256
+             and s["prefill_attention"] == 256 * 257 / 2]
+    assert len(chunk) == 1 and fit["prefill 256@0"] == pytest.approx(chunk[0]["fitted_s"])
     path = tmp_path / "profile.json"
     model.save(path)
     check = recheck_profile(engine, path, rescale=True)
     factor = check["factor"]
-    assert check["then_s"] == probe and set(check["ratios"]) == set(probe)
-    assert factor == pytest.approx(statistics.median(check["now_s"][k] / probe[k] for k in probe))
+    assert check["then_s"] == fit and set(check["ratios"]) == set(probe)
+    assert factor == pytest.approx(statistics.median(check["now_s"][k] / fit[k] for k in probe))
     assert check["by_tokens"] == {1: check["ratios"]["decode 1@128"], 8: check["ratios"]["decode 8@128"],
                                   256: check["ratios"]["prefill 256@0"]}
     saved = StepCostModel.load(path)
@@ -212,8 +244,9 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     assert saved.shape_time(shape) == pytest.approx(factor * model.shape_time(shape))
     assert saved.swap_time(5) == pytest.approx(factor * model.swap_time(5))
     assert saved.meta["probe"] == check["now_s"] and [c["factor"] for c in saved.meta["speed_checks"]] == [factor]
-    again = recheck_profile(engine, path)   # against the rescaled profile's times; without --rescale, nothing saved
-    assert again["then_s"] == check["now_s"] and StepCostModel.load(path).knot_costs == saved.knot_costs
+    assert saved.meta["probe_fit"] == pytest.approx({k: factor * t for k, t in fit.items()})
+    again = recheck_profile(engine, path)   # against the rescaled profile's prices; without --rescale, nothing saved
+    assert again["then_s"] == saved.meta["probe_fit"] and StepCostModel.load(path).knot_costs == saved.knot_costs
     without = StepCostModel(model.knots, model.knot_costs, meta={k: v for k, v in model.meta.items() if k != "probe"})
     without.save(tmp_path / "old.json")
     with pytest.raises(ValueError, match="no probe times"):
