@@ -200,16 +200,18 @@ class StepCostModel:
         check measures them per probe step) the step-cost curve takes the factor interpolated at each
         knot's token count instead (flat past the ends): on a shared machine the small,
         memory-bound steps and the large, compute-bound ones drift apart (on a Zen4 VM a batch-1
-        decode step ran 1.3-1.75x its profiled time while 32-sequence steps ran 0.85x); every other
-        term takes `factor`."""
-        knot_factors = [factor] * len(self.knots)
-        if by_tokens:
+        decode step ran 1.3-1.75x its profiled time while 32-sequence steps ran 0.85x), and so does
+        the KV-read cost of B sequences decoding (``context_slopes``, at B tokens); every other term
+        takes `factor`."""
+        def at(tokens: int) -> float:
+            if not by_tokens:
+                return factor
             sizes, factors = map(list, zip(*sorted(by_tokens.items())))
-            knot_factors = [sum(w * f for w, f in zip(flat_hat_weights(sizes, k), factors))
-                            for k in self.knots]
-        return replace(self, knot_costs=[c * f for c, f in zip(self.knot_costs, knot_factors)],
+            return sum(w * f for w, f in zip(flat_hat_weights(sizes, tokens), factors))
+
+        return replace(self, knot_costs=[c * at(k) for c, k in zip(self.knot_costs, self.knots)],
                        decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
-                       context_slopes=[c * factor for c in self.context_slopes],
+                       context_slopes=[c * at(b) for c, b in zip(self.context_slopes, self.context_batches)],
                        sampled=self.sampled * factor, seq=self.seq * factor, swap_block=self.swap_block * factor,
                        between_steps=self.between_steps * factor,
                        after_prefill=[[t * factor for t in curve] for curve in self.after_prefill], meta=dict(self.meta))

@@ -384,6 +384,10 @@ def test_the_cost_per_kv_token_read_follows_the_number_of_sequences_decoding(tmp
     prefill = StepShape(prefill_tokens=64, prefill_attention=2080, num_seqs=1, num_sampled=1)
     assert per.shape_time(prefill) == shared.shape_time(prefill)   # no decodes: no context term
     assert per.scaled(1.25).shape_time(decoding(3, 700)) == pytest.approx(1.25 * per.shape_time(decoding(3, 700)))
+    # a check by step size scales each batch's slope by the factor at its token count (B sequences: B tokens)
+    by_size = per.scaled(1.1, {1: 1.5, 8: 1.0, 256: 0.8})
+    assert by_size.context_slopes == pytest.approx([1.5 * 3e-6, 1.0 * 2e-6, (1.0 - 0.2 * 24 / 248) * 1.5e-6])
+    assert by_size.decode_context == pytest.approx(1.1 * 2e-6)
     per.save(tmp_path / "p.json")
     loaded = StepCostModel.load(tmp_path / "p.json")
     assert (loaded.context_batches, loaded.context_slopes) == (per.context_batches, per.context_slopes)
