@@ -20,7 +20,8 @@ profile's fit at the probes' shapes (``"fit"``, `conveyor.profile.probe_referenc
 profile is in ``--profiles`` (default ``results/profiles``: the one whose probe times, or fit's prices,
 are the reference of the result's check at calibration) each run's check is taken against the other
 reference too, from each probe's ratio (``speed_by_tokens``) and the profile's probe times over its
-fit's prices. ``"probe, every run"``: every older result's checks as made, its profile there or not.
+fit's prices. ``"probe, every run"``: every older result's checks as made, its profile there or not;
+a result since whose profile is not there is left out.
 
 Analysis of saved results only (no model runs). Writes JSON and a line in docs/benchmarks.md.
 

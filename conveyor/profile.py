@@ -287,8 +287,8 @@ def probe_reference(cost: StepCostModel) -> dict[str, float]:
     Why the fit: the check's factor scales the fitted model, so it must say how far the machine is
     now from what the model prices, not from one moment of the profile. The probes are timed at the
     profile's end, minutes after its samples, and on the Zen4 VM the two disagreed at the same shape
-    by up to 28% (batch 8: 1.28x the fit, batch 1 0.82x in another); a check against the probe times
-    carried that error into every factor (over the same runs the step cost followed the factors to
+    by up to 34% (a 256-token chunk 1.34x the fit; batch 8 1.28x, batch 1 0.82x in other profiles); a
+    check against the probe times carried that error into every factor (over the same runs the step cost followed the factors to
     the power 0.68 at one thread, 0.27 at two; against the fit 0.81 and 0.45: docs/simulator.md)."""
     meta = cost.meta
     probe = meta.get("probe") or {}
