@@ -29,26 +29,16 @@ from pathlib import Path
 
 from common import RESULTS, save
 from sim_calibration import FAMILIES, METRICS, base, relative
-from speed_checks import probe_over_fit
+from speed_checks import both_references, load_profiles, probe_over_fit, profile_of
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
 from conveyor.engine.trace import StepTracer
-from conveyor.profile import probe_reference
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.simulator import engine_knobs, simulate
 from conveyor.sim.validate import predicted, traced_steps
 from conveyor.sim.workload import WorkloadSpec
 
 MODELS = ("profile", "probe, median", "probe, by size", "fit, median", "fit, by size")
-
-
-def find_profile(result: dict, folder: Path) -> tuple[Path, StepCostModel]:
-    then = result["speed_check_at_calibration"]["then_s"]
-    for path in sorted(folder.glob("*.json")):
-        model = StepCostModel.load(path)
-        if then in (model.meta.get("probe"), probe_reference(model)):
-            return path, replace(model, decode_scales=[], prefill_scales=[], between_steps=0.0)
-    raise SystemExit(f"no profile in {folder} has the probe times of this result's check")
 
 
 def met(rel: dict) -> tuple[bool, bool]:
@@ -65,7 +55,10 @@ def main() -> None:
     ap.add_argument("--name", help="results JSON name (default: sim_recheck_<result's name>)")
     args = ap.parse_args()
     result = json.loads(Path(args.result).read_text())
-    path, cost = find_profile(result, Path(args.profiles))
+    found = profile_of(result, load_profiles(Path(args.profiles)))
+    if found is None:
+        raise SystemExit(f"no profile in {args.profiles} is the reference of this result's check")
+    path, cost = found[0], replace(found[1], decode_scales=[], prefill_scales=[], between_steps=0.0)
     print(f"profile: {path}", flush=True)
     to_fit = probe_over_fit(cost)
     stored_fit = result.get("speed_reference") == "fit"
@@ -76,11 +69,8 @@ def main() -> None:
                                              min_resident_steps=2), loaded=engine.loaded)
 
     def models(sizes: dict[str, float]) -> dict[str, StepCostModel]:
-        ratios = {int(n): r for n, r in sizes.items()}
-        by_ref = {"fit": {n: r * (1 if stored_fit else to_fit[n]) for n, r in ratios.items()},
-                  "probe": {n: r / (to_fit[n] if stored_fit else 1) for n, r in ratios.items()}}
         out = {"profile": cost}
-        for ref, rs in by_ref.items():
+        for ref, rs in both_references(sizes, to_fit, stored_fit).items():
             factor = statistics.median(rs.values())
             out[f"{ref}, median"], out[f"{ref}, by size"] = cost.scaled(factor), cost.scaled(factor, rs)
         return out

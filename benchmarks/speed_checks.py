@@ -45,16 +45,45 @@ from conveyor.sim.cost import StepCostModel
 EVERY = "probe, every run"   # the older results' checks as made, with or without their profile
 
 
-def pairs(result: dict, profiles: dict[str, dict]) -> dict[str, list[tuple[float, float]]]:
-    """(speed check factor, the profile's step-cost error on the run's trace) per real run, by the
-    check's reference: "probe" and "fit" for the runs whose profile is in `profiles` (profile metas by
-    their probe times, as JSON; each run's probe ratios taken against the other reference through the
-    profile's probe times over its fit's prices), and `EVERY` for every run checked against the probe
-    times, its profile there or not (see the module's doc)."""
-    reference = result.get("speed_reference", "probe")   # the older results' checks: against the probe times
+def load_profiles(folder: Path) -> list[tuple[Path, StepCostModel]]:
+    """The saved profiles in `folder` that have probe times."""
+    models = [(path, StepCostModel.load(path)) for path in sorted(folder.glob("*.json"))]
+    return [(path, model) for path, model in models if model.meta.get("probe")]
+
+
+def profile_of(result: dict, profiles: list[tuple[Path, StepCostModel]]) -> tuple[Path, StepCostModel] | None:
+    """The profile a sim_calibration result ran against: the one whose probe times (older results) or
+    fit's prices (``speed_reference: fit``) are the reference of its check at calibration."""
     then = result.get("speed_check_at_calibration", {}).get("then_s")
-    meta = next((m for m in profiles.values() if then in (m["probe"], probe_reference(_model(m)))), None)
-    to_fit = probe_over_fit(_model(meta)) if meta is not None else {}
+    return next(((path, model) for path, model in profiles
+                 if then in (model.meta["probe"], probe_reference(model))), None)
+
+
+def probe_over_fit(cost: StepCostModel) -> dict[int, float]:
+    """A profile's probe times over its fit's prices, by the probe's token count: a check's ratio
+    against the probe time times this is its ratio against the fit."""
+    fit = probe_reference(cost)
+    return {n: cost.meta["probe"][label] / fit[label] for kind, n, ctx in PROBE
+            if (label := probe_label(kind, n, ctx)) in fit}
+
+
+def both_references(sizes: dict, to_fit: dict[int, float], stored_fit: bool) -> dict[str, dict[int, float]]:
+    """One check's ratios by probe token count (`sizes`, as saved: against the fit if `stored_fit`, else
+    against the probe times) against each reference, for the probes `to_fit` (`probe_over_fit`) has."""
+    ratios = {int(n): r for n, r in sizes.items() if int(n) in to_fit}
+    return {"fit": {n: r * (1 if stored_fit else to_fit[n]) for n, r in ratios.items()},
+            "probe": {n: r / (to_fit[n] if stored_fit else 1) for n, r in ratios.items()}}
+
+
+def pairs(result: dict, profiles: list[tuple[Path, StepCostModel]]) -> dict[str, list[tuple[float, float]]]:
+    """(speed check factor, the profile's step-cost error on the run's trace) per real run, by the
+    check's reference: "probe" and "fit" for the runs whose profile is in `profiles` (each run's probe
+    ratios taken against the other reference through the profile's probe times over its fit's prices),
+    and `EVERY` for every run checked against the probe times, its profile there or not (see the
+    module's doc)."""
+    reference = result.get("speed_reference", "probe")   # the older results' checks: against the probe times
+    found = profile_of(result, profiles)
+    to_fit = probe_over_fit(found[1]) if found is not None else {}
     out: dict[str, list[tuple[float, float]]] = {}
     for row in result["families"]:
         errors = row.get("step_error_profile", {})
@@ -66,26 +95,10 @@ def pairs(result: dict, profiles: dict[str, dict]) -> dict[str, list[tuple[float
                 continue
             if reference == "probe":
                 out.setdefault(EVERY, []).append((s, e))
-            ratios = {int(n): r for n, r in sizes.items() if int(n) in to_fit}
-            if ratios:   # the same runs both ways
-                stored_fit = reference == "fit"
-                fit_ratios = [r * (1 if stored_fit else to_fit[n]) for n, r in ratios.items()]
-                probe_ratios = [r / (to_fit[n] if stored_fit else 1) for n, r in ratios.items()]
-                out.setdefault("fit", []).append((statistics.median(fit_ratios), e))
-                out.setdefault("probe", []).append((statistics.median(probe_ratios), e))
+            for ref, ratios in both_references(sizes, to_fit, reference == "fit").items():
+                if ratios:   # the same runs both ways
+                    out.setdefault(ref, []).append((statistics.median(ratios.values()), e))
     return out
-
-
-def _model(meta: dict) -> StepCostModel:
-    return StepCostModel([1], [1.0], meta=meta)
-
-
-def probe_over_fit(cost: StepCostModel) -> dict[int, float]:
-    """A profile's probe times over its fit's prices, by the probe's token count: a check's ratio
-    against the probe time times this is its ratio against the fit."""
-    fit = probe_reference(cost)
-    return {n: cost.meta["probe"][label] / fit[label] for kind, n, ctx in PROBE
-            if (label := probe_label(kind, n, ctx)) in fit}
 
 
 def exponent(data: list[tuple[float, float]]) -> float:
@@ -133,11 +146,7 @@ def main() -> None:
     ap.add_argument("--name", default="speed_checks", help="results JSON name")
     args = ap.parse_args()
     paths = [Path(p) for p in args.results] or sorted(RESULTS.glob("sim_calibration*.json"))
-    profiles = {}
-    for path in sorted(Path(args.profiles).glob("*.json")):
-        meta = json.loads(path.read_text()).get("meta", {})
-        if meta.get("probe"):
-            profiles[json.dumps(meta["probe"], sort_keys=True)] = meta
+    profiles = load_profiles(Path(args.profiles))
     by_machine: dict[str, dict[str, dict[str, list]]] = {}
     for path in paths:
         result = json.loads(path.read_text())

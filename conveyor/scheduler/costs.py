@@ -169,7 +169,7 @@ class StepCostModel:
         """Seconds per KV token read with `decoding` sequences decoding in the step."""
         if not self.context_batches:
             return self.decode_context
-        return sum(w * c for w, c in zip(flat_hat_weights(self.context_batches, decoding), self.context_slopes))
+        return interpolate_flat(self.context_batches, self.context_slopes, decoding)
 
     def token_cost(self, tokens: int) -> float:
         return sum(w * c for w, c in zip(hat_weights(self.knots, tokens), self.knot_costs))
@@ -188,7 +188,7 @@ class StepCostModel:
         curve = self.prefill_scales if s.prefill_tokens else self.decode_scales
         if not curve:
             return 1.0
-        return max(0.0, sum(w * c for w, c in zip(flat_hat_weights(self.knots, s.tokens), curve)))
+        return max(0.0, interpolate_flat(self.knots, curve, s.tokens))
 
     def swap_time(self, num_blocks: int) -> float:
         return num_blocks * self.swap_block
@@ -203,11 +203,10 @@ class StepCostModel:
         decode step ran 1.3-1.75x its profiled time while 32-sequence steps ran 0.85x), and so does
         the KV-read cost of B sequences decoding (``context_slopes``, at B tokens); every other term
         takes `factor`."""
+        sizes, factors = map(list, zip(*sorted(by_tokens.items()))) if by_tokens else ([], [])
+
         def at(tokens: int) -> float:
-            if not by_tokens:
-                return factor
-            sizes, factors = map(list, zip(*sorted(by_tokens.items())))
-            return sum(w * f for w, f in zip(flat_hat_weights(sizes, tokens), factors))
+            return interpolate_flat(sizes, factors, tokens) if sizes else factor
 
         return replace(self, knot_costs=[c * at(k) for c, k in zip(self.knot_costs, self.knots)],
                        decode_context=self.decode_context * factor, prefill_attention=self.prefill_attention * factor,
@@ -282,3 +281,8 @@ def hat_weights(knots: list[int], x: float) -> list[float]:
 def flat_hat_weights(knots: list[int], x: float) -> list[float]:
     """``hat_weights`` flat past the ends: x clamped to the first and last knot."""
     return hat_weights(knots, min(max(x, knots[0]), knots[-1]))
+
+
+def interpolate_flat(knots: list[int], values: list[float], x: float) -> float:
+    """The piecewise-linear function through (knots, values) at x, flat past the ends."""
+    return sum(w * v for w, v in zip(flat_hat_weights(knots, x), values))
