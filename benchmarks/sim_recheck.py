@@ -7,9 +7,10 @@ profile's end (``meta.probe``, how checks compared until 2026-12-06) or against 
 prices the same shapes at (`conveyor.profile.probe_reference`, since); the two differ by the ratio of
 those references, which the profile has. For each family and load this simulates the result's
 workloads (the same specs and seeds) with the profile as it is and scaled by each run's check, by the
-median ratio (``--recheck --rescale``) and by size (``StepCostModel.scaled(factor, by_tokens)``), under
-both references, and compares with the real runs' percentiles saved in the result. With ``--traces``
-(the result's ``--traces`` folder) it also prices the runs' steps. No real runs: seconds per cell.
+median ratio (``--recheck --rescale --rescale-by median``) and by size (``--rescale``,
+``StepCostModel.scaled(factor, by_tokens)``), under both references, and compares with the real
+runs' percentiles saved in the result. With ``--traces`` (the result's ``--traces`` folder) it also
+prices the runs' steps. No real runs: seconds per cell.
 
 The profile is the one whose probe times are those of the result's check at calibration, found in
 ``--profiles`` (default ``results/profiles``).

@@ -1,7 +1,7 @@
 """Does a speed check before a run say how far the profile will be off during it?
 
 `conveyor profile --recheck` times the profile's probe steps again and reports their median ratio
-to what the profile's fit prices them at (the factor; ``--rescale`` multiplies the profile by it).
+to what the profile's fit prices them at (the factor; ``--rescale --rescale-by median`` multiplies the profile by it).
 Every real run of `sim_calibration.py` has such a check just before it and the profile's step-cost
 error on the run's own trace after it (``speed_factors`` and ``step_error_profile.per_run`` in its
 JSON). This pools those pairs from every result given (all ``results/sim_calibration*.json`` by
@@ -11,7 +11,7 @@ how much of the factor the run's step cost followed:
 - the exponent c of ``measured / modelled ~ factor ** c`` (least squares on logarithms, through 1:
   c = 1 means the run moved exactly as the check said, 0 that the check said nothing);
 - the mean absolute step-cost error of the runs' profiles as they are, multiplied by the factor
-  (``--rescale``), and multiplied by ``factor ** c`` with c fitted on the other results of the same
+  (``--rescale --rescale-by median``), and multiplied by ``factor ** c`` with c fitted on the other results of the same
   machine (left out one result at a time, so each number is a prediction).
 
 Each for two references, on the same runs. Until 2026-12-06 a check compared with the probe steps' own

@@ -71,7 +71,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     # With --torch-threads N the profile is N threads' own (an engine running N threads looks for it first).
     out = Path(args.out) if args.out else profile_path(engine.model_name, engine.dtype, args.torch_threads)
     if args.recheck:
-        return _recheck(engine, out, args.rescale)
+        return _recheck(engine, out, args.rescale and args.rescale_by)
     model = profile(engine, quick=args.quick, repeats=args.repeats, passes=args.passes)
     model.save(out)   # before the sustained run: if that fails, the profile is kept
     fit = model.meta["fit"]
@@ -93,17 +93,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recheck(engine, path: Path, rescale: bool) -> int:
-    """`conveyor profile --recheck [--rescale]`: the saved profile's probe steps timed again."""
+def _recheck(engine, path: Path, rescale: str | bool) -> int:
+    """`conveyor profile --recheck [--rescale [--rescale-by size|median]]`: the saved profile's probe steps
+    timed again; `rescale` is False or how to scale."""
     from conveyor.profile import recheck_profile
 
-    check = recheck_profile(engine, path, rescale)
+    check = recheck_profile(engine, path, bool(rescale), by_size=rescale == "size")
     for name, ratio in check["ratios"].items():
         print(f"{name:>16}: {1e3 * check['then_s'][name]:8.2f} ms as the profile prices it, "
               f"{1e3 * check['now_s'][name]:8.2f} ms now ({ratio:.2f}x)")
     print(f"this machine runs the profile's steps {check['factor']:.2f}x as long as the profile prices them "
           f"(profiled {check['profiled']})")
-    if rescale:
+    if rescale == "size":
+        sizes = ", ".join(f"{n} tokens {f:.2f}x" for n, f in sorted(check["by_tokens"].items()))
+        print(f"rescaled by size ({sizes}; between them interpolated) and saved {path}")
+    elif rescale:
         print(f"rescaled by {check['factor']:.2f} and saved {path}")
     return 0
 
@@ -135,7 +139,10 @@ def add_profile_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recheck", action="store_true",
                    help="instead of profiling: time the saved profile's probe steps again (seconds) and say how much "
                         "slower or faster this machine runs them now than the profile prices them")
-    p.add_argument("--rescale", action="store_true", help="with --recheck: save the profile scaled by that factor")
+    p.add_argument("--rescale", action="store_true", help="with --recheck: save the profile scaled by what it found")
+    p.add_argument("--rescale-by", choices=("size", "median"), default="size",
+                   help="with --rescale: each probe's factor over the step-cost curve by step size (default: small "
+                        "memory-bound steps and large ones drift apart), or their median for every step")
     add_engine_args(p, skip=("cost_model", "step_trace"))
     p.set_defaults(func=cmd_profile)
 

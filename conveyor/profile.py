@@ -345,11 +345,13 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
             "factor": statistics.median(ratios.values()) if ratios else None}
 
 
-def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
-    """``conveyor profile --recheck [--rescale]``: the speed check of the profile saved at `path`; with
-    `rescale`, the profile saved again scaled by its factor, with the probe times of now, the scaled
-    fit's prices of the probes (what the next check compares with) and the check's date and factor in
-    ``meta.speed_checks``."""
+def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool = False) -> dict:
+    """``conveyor profile --recheck [--rescale [--rescale-by size|median]]``: the speed check of the profile saved
+    at `path`; with `rescale`, the profile saved again scaled by its factor (with `by_size`, by each
+    probe's ratio over the step-cost curve by size, ``StepCostModel.scaled``), with the probe times of
+    now, the scaled fit's prices of the probes (what the next check compares with: each reference
+    times the factor the scaled model applies at that probe's shape) and the check's date and factors
+    in ``meta.speed_checks``."""
     from pathlib import Path
 
     path = Path(path)
@@ -362,11 +364,16 @@ def recheck_profile(engine: Engine, path, rescale: bool = False) -> dict:
                          "on a smaller engine): run `conveyor profile` again")
     check["profiled"] = cost.meta.get("date", "date unknown")
     if rescale:
-        scaled = cost.scaled(check["factor"])
+        scaled = cost.scaled(check["factor"], check["by_tokens"] if by_size else None)
+        shapes = probe_shapes(engine)
         scaled.meta["probe"] = check["now_s"]
-        scaled.meta["probe_fit"] = {k: t * check["factor"] for k, t in check["then_s"].items()}
-        scaled.meta["speed_checks"] = [*cost.meta.get("speed_checks", []), {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "factor": check["factor"]}]
+        scaled.meta["probe_fit"] = {
+            k: t * (scaled.shape_time(shapes[k]) / cost.shape_time(shapes[k]) if k in shapes else check["factor"])
+            for k, t in check["then_s"].items()}
+        logged = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "factor": check["factor"]}
+        if by_size:
+            logged["by_tokens"] = check["by_tokens"]
+        scaled.meta["speed_checks"] = [*cost.meta.get("speed_checks", []), logged]
         scaled.save(path)
     return check
 

@@ -247,6 +247,16 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     assert saved.meta["probe_fit"] == pytest.approx({k: factor * t for k, t in fit.items()})
     again = recheck_profile(engine, path)   # against the rescaled profile's prices; without --rescale, nothing saved
     assert again["then_s"] == saved.meta["probe_fit"] and StepCostModel.load(path).knot_costs == saved.knot_costs
+    # --rescale by-size: each probe's factor at its step size; the next references are the probes' prices
+    # under that model, each scaled by a factor within the check's range (interpolated between probes)
+    by = recheck_profile(engine, path, rescale=True, by_size=True)
+    sized = StepCostModel.load(path)
+    assert sized.meta["speed_checks"][-1]["by_tokens"] == {str(n): f for n, f in by["by_tokens"].items()}   # JSON
+    assert sized.token_cost(1) == pytest.approx(by["by_tokens"][1] * saved.token_cost(1))
+    low, high = min(by["ratios"].values()), max(by["ratios"].values())
+    for k, t in by["then_s"].items():
+        assert low * (1 - 1e-9) <= sized.meta["probe_fit"][k] / t <= high * (1 + 1e-9)
+    assert sized.meta["probe"] == by["now_s"]
     without = StepCostModel(model.knots, model.knot_costs, meta={k: v for k, v in model.meta.items() if k != "probe"})
     without.save(tmp_path / "old.json")
     with pytest.raises(ValueError, match="no probe times"):

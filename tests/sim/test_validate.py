@@ -207,6 +207,11 @@ def test_profile_sustained_flag_does_not_swallow_the_model_path():
     assert build_parser().parse_args(["profile", "--sustained-requests", "30"]).sustained_requests == 30
     with pytest.raises(SystemExit):
         build_parser().parse_args(["profile", "--sustained", "--sustained-requests", "0"])
+    # nor does --rescale; it scales by size unless --rescale-by median
+    args = build_parser().parse_args(["profile", "--recheck", "--rescale", "some/model.gguf"])
+    assert args.model == "some/model.gguf" and args.rescale and args.rescale_by == "size"
+    args = build_parser().parse_args(["profile", "--recheck", "--rescale", "--rescale-by", "median"])
+    assert args.rescale_by == "median"
 
 
 def test_a_scaled_model_prices_every_step_and_copy_by_the_factor():
