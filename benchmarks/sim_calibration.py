@@ -10,7 +10,11 @@ corrected one, each at light load (30% of its simulated saturation) and near it 
 each family's own (``--load-of family``, the default since 2026-12-06: the rate at which the simulated engine
 completes that family's requests all arriving at once); before, every family ran at fractions of the uniform
 workload's (``--load-of uniform``), which overloaded the long-prompt family even at "30%" (TTFT p50 40 s: a
-queue, not a step cost) and left the heavy-tailed and shared-prefix ones far from saturation at "80%":
+queue, not a step cost) and left the heavy-tailed and shared-prefix ones far from saturation at "80%". And
+the saturation is the one at the machine's speed when the cell starts (``--load-at checked``, the default
+since 2026-12-06, late: the profile scaled by a speed check just before the cell, as the "checked" model
+below); with ``--load-at profile`` it is the profile's as made, which put four "80%" cells of run 12 at
+88-101% of the capacity measured during them, beyond the targets' range, when the machine had slowed:
 
 - uniform (the calibration's distributions, other seeds);
 - heavy-tailed outputs (lognormal, median 32, up to 400);
@@ -21,10 +25,11 @@ queue, not a step cost) and left the heavy-tailed and shared-prefix ones far fro
 
 A third model, "checked", is the profile scaled by a speed check just before each run (``conveyor
 profile --recheck``: the profile's probe steps timed again against what its fit prices them at; by
-default each probe's ratio, interpolated over the step-cost curve by step size, ``--check median`` their
-median ratio as ``--recheck --rescale`` applies it): how much of the error is this shared machine's
-drift from the profile to the run. (Until 2026-12-06 it was the corrected model scaled by the check's
-ratio to the check at the calibration, and the checks compared with the probes' times at the profile.)
+default each probe's ratio, interpolated over the step-cost curve by step size, as ``--recheck
+--rescale`` applies it; ``--check median`` their median ratio, as ``--rescale-by median``): how much of
+the error is this shared machine's drift from the profile to the run. (Until 2026-12-06 it was the
+corrected model scaled by the check's ratio to the check at the calibration, and the checks compared
+with the probes' times at the profile.)
 
 A fourth model, "recent", follows the machine the way a server could: the profile corrected on the step
 traces of the last few real runs (``--recent N``, default 4: the two cells before, at two seeds), as
@@ -54,6 +59,7 @@ docs/benchmarks.md.
 missing): on the 2-vCPU Zen4, one thread held its speed where two did not (machine_steadiness.py).
 
     python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--check median|by-size] [--name NAME]
+                                         [--load-of family|uniform] [--load-at checked|profile]
                                          [--torch-threads N] [--profile PATH] [--traces DIR]
 """
 
@@ -123,21 +129,24 @@ def relative(sims: list[SimResult], real: dict[str, float]) -> dict[str, float]:
 
 def rescaled(model: StepCostModel, check: dict, by_size: bool) -> StepCostModel:
     """The profile `model` at the speed the check `check` measured: by the median ratio (as ``profile
-    --recheck --rescale``), or with `by_size` by each probe step's ratio over the step-cost curve by size."""
+    --recheck --rescale --rescale-by median``), or with `by_size` by each probe step's ratio over the
+    step-cost curve by size (as ``--rescale``)."""
     return model.scaled(check["factor"] or 1.0, check["by_tokens"] if by_size else None)
 
 
 def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation: float, cost: StepCostModel,
                corrected: StepCostModel, recent: StepCostModel, seeds: list[int],
-               by_size: bool, traces_dir: Path | None = None) -> tuple[dict, list]:
+               by_size: bool, traces_dir: Path | None = None, first_check: dict | None = None) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
-    each run) and in the simulator under the five models; errors of the metrics pooled over the seeds.
-    Also returns the real runs' step traces."""
+    each run; `first_check`, the one the cell's rate was set by, stands for the first) and in the simulator
+    under the five models; errors of the metrics pooled over the seeds. Also returns the real runs' step
+    traces."""
     specs = [WorkloadSpec(**{**base_knobs, **knobs, "seed": seed}) for seed in seeds]
     preempted = eng.stats().num_preemptions
     reals, steps, walls, checks, traces = [], [], [], [], []
-    for spec in specs:
-        checks.append(speed_check(eng, cost))   # just before the run, against the profile's probe times
+    for i, spec in enumerate(specs):
+        # Just before the run, against what the profile's fit prices the probe steps at.
+        checks.append(first_check if i == 0 and first_check is not None else speed_check(eng, cost))
         eng.core.scheduler.kv.reset_prefix_cache()   # as each simulation starts: nothing cached by runs before
         real, trace, wall = real_run(eng, spec)
         reals.append(real)
@@ -192,12 +201,15 @@ def main() -> None:
     ap.add_argument("--name", default="sim_calibration", help="results JSON name")
     ap.add_argument("--load-of", choices=("family", "uniform"), default="family",
                     help="loads as fractions of each family's own simulated saturation, or of the uniform workload's")
+    ap.add_argument("--load-at", choices=("checked", "profile"), default="checked",
+                    help="the saturation a load is a fraction of: at the speed a check just before the cell "
+                         "measures (the profile scaled as the checked model is), or the profile's as made")
     ap.add_argument("--families", help="comma-separated (parts of) family names to run; all by default")
     ap.add_argument("--recent", type=int, default=4,
                     help="the recent model: the profile corrected on the step traces of the last N real runs")
     ap.add_argument("--check", choices=("median", "by-size"), default="by-size",
                     help="the checked model: the profile scaled by each probe's ratio over the step-cost curve "
-                         "by size, or by their median ratio (as `profile --recheck --rescale`)")
+                         "by size, or by their median ratio (as `profile --recheck --rescale --rescale-by median`)")
     ap.add_argument("--torch-threads", type=int,
                     help="the engines' torch threads (default: all cores); the profile then defaults to one of its own")
     ap.add_argument("--profile", help="the cost profile (made there if missing; default: the engine's, "
@@ -236,24 +248,34 @@ def main() -> None:
 
     own = per_family if args.load_of == "family" else {name: saturation for name in FAMILIES}
     print("saturation per family (req/s):", {name: round(r, 2) for name, r in own.items()}, flush=True)
-    runs = [(f"{name}, {int(100 * load)}%", engine, {**knobs, "rate": load * own[name]}, own[name])
+    basis = (lambda name: name) if args.load_of == "family" else (lambda name: "uniform")
+    # (cell, engine, family knobs, load, the family whose saturation on `engine` the load is a fraction of)
+    runs = [(f"{name}, {int(100 * load)}%", engine, knobs, load, basis(name))
             for load in (0.3, 0.8) for name, knobs in FAMILIES.items()]   # by load: the recent runs are other families
     small = Engine(EngineConfig.from_options(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none",
                                              num_kv_blocks=40, admission_policy="optimistic", min_resident_steps=2,
                                              **threads),
                    loaded=engine.loaded)
-    runs.append(("forced preemption, 150%", small, {"rate": 1.5 * saturation}, saturation))   # of the uniform's
+    runs.append(("forced preemption, 150%", small, {}, 1.5, "uniform"))   # of the uniform's
     if args.families:
         wanted = [w.strip() for w in args.families.split(",")]
         runs = [run for run in runs if any(w in run[0] for w in wanted)]
+    by_size = args.check == "by-size"
     rows, window = [], []   # window: (cell, trace) of the last real runs
     recent = corrected
-    for i, (name, eng, knobs, capacity) in enumerate(runs):
+    for i, (name, eng, family, load, of) in enumerate(runs):
         if window:
             recent, _ = calibrate([t for _, t in window], cost)
-        row, traces = family_row(name, eng, knobs, base_knobs, capacity, cost, corrected, recent,
-                                 seeds=[21 + i + 100 * j for j in range(args.seeds)], by_size=args.check == "by-size",
-                                 traces_dir=traces_dir)
+        first_check, capacity = None, own[of]
+        if args.load_at == "checked":
+            # The machine's speed now, and the load a fraction of the saturation at that speed: a profile
+            # made when the machine was faster would put "80%" beyond the targets' range (run 12).
+            first_check = speed_check(eng, cost)
+            capacity = family_saturation(FAMILIES[of], n, rescaled(cost, first_check, by_size), engine_knobs(engine))
+        row, traces = family_row(name, eng, {**family, "rate": load * capacity}, base_knobs, capacity, cost,
+                                 corrected, recent, seeds=[21 + i + 100 * j for j in range(args.seeds)],
+                                 by_size=by_size, traces_dir=traces_dir, first_check=first_check)
+        row["profile_saturation_req_s"] = own[of]
         row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
         row["recent_correction"] = {"decode_scales": recent.decode_scales, "prefill_scales": recent.prefill_scales,
                                     "between_steps_s": recent.between_steps}
@@ -274,7 +296,7 @@ def main() -> None:
                      f"{pct(r['checked']['tpot_p50'])} -> {pct(r['recent']['tpot_p50'])} "
                      f"(own {pct(r['own']['tpot_p50'])})" for r in rows)
     save(args.name, {"cost_model": str(path), "torch_threads": torch.get_num_threads(),
-                     "saturation_req_s": saturation, "load_of": args.load_of,
+                     "saturation_req_s": saturation, "load_of": args.load_of, "load_at": args.load_at,
                      "saturation_per_family_req_s": own, "workload": base_knobs, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
                      "speed_reference": "fit",
