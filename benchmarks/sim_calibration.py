@@ -29,7 +29,8 @@ default each probe's ratio, interpolated over the step-cost curve by step size, 
 --rescale`` applies it; ``--check median`` their median ratio, as ``--rescale-by median``): how much of
 the error is this shared machine's drift from the profile to the run. (Until 2026-12-06 it was the
 corrected model scaled by the check's ratio to the check at the calibration, and the checks compared
-with the probes' times at the profile.)
+with the probes' times at the profile.) Each check times the probes in ``--check-rounds`` rounds (3 by
+default since run 14; every round's times saved, for `check_rounds.py`) and takes each probe's median.
 
 A fourth model, "recent", follows the machine the way a server could: the profile corrected on the step
 traces of the last few real runs (``--recent N``, default 4: the two cells before, at two seeds), as
@@ -59,7 +60,7 @@ docs/benchmarks.md.
 missing): on the 2-vCPU Zen4, one thread held its speed where two did not (machine_steadiness.py).
 
     python benchmarks/sim_calibration.py [--requests 60] [--seeds 1] [--check median|by-size] [--name NAME]
-                                         [--load-of family|uniform] [--load-at checked|profile]
+                                         [--load-of family|uniform] [--load-at checked|profile] [--check-rounds N]
                                          [--torch-threads N] [--profile PATH] [--traces DIR]
 """
 
@@ -136,7 +137,8 @@ def rescaled(model: StepCostModel, check: dict, by_size: bool) -> StepCostModel:
 
 def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation: float, cost: StepCostModel,
                corrected: StepCostModel, recent: StepCostModel, seeds: list[int],
-               by_size: bool, traces_dir: Path | None = None, first_check: dict | None = None) -> tuple[dict, list]:
+               by_size: bool, traces_dir: Path | None = None, first_check: dict | None = None,
+               rounds: int = 1) -> tuple[dict, list]:
     """One workload family at one load, run once per seed on the real engine (a speed check before
     each run; `first_check`, the one the cell's rate was set by, stands for the first) and in the simulator
     under the five models; errors of the metrics pooled over the seeds. Also returns the real runs' step
@@ -146,7 +148,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
     reals, steps, walls, checks, traces = [], [], [], [], []
     for i, spec in enumerate(specs):
         # Just before the run, against what the profile's fit prices the probe steps at.
-        checks.append(first_check if i == 0 and first_check is not None else speed_check(eng, cost))
+        checks.append(first_check if i == 0 and first_check is not None else speed_check(eng, cost, rounds=rounds))
         eng.core.scheduler.kv.reset_prefix_cache()   # as each simulation starts: nothing cached by runs before
         real, trace, wall = real_run(eng, spec)
         reals.append(real)
@@ -170,6 +172,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
            "measured_saturation_req_s": measured, "measured_load": knobs["rate"] / measured,
            "wall_s": sum(walls), "speed_factor": statistics.median(speeds), "speed_factors": speeds,
            "speed_by_tokens": [c["by_tokens"] for c in checks],
+           "speed_checks": [{"then_s": c["then_s"], "rounds_s": c["rounds_s"]} for c in checks],
            "real": {**real, "preemptions": eng.stats().num_preemptions - preempted}}
     for label, costs in models.items():
         row[label] = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
@@ -210,6 +213,9 @@ def main() -> None:
     ap.add_argument("--check", choices=("median", "by-size"), default="by-size",
                     help="the checked model: the profile scaled by each probe's ratio over the step-cost curve "
                          "by size, or by their median ratio (as `profile --recheck --rescale --rescale-by median`)")
+    ap.add_argument("--check-rounds", type=int, default=3,
+                    help="each speed check's probes timed this many times in a row, each probe's median over "
+                         "them (every round's times are saved; until run 14 a check was one round)")
     ap.add_argument("--torch-threads", type=int,
                     help="the engines' torch threads (default: all cores); the profile then defaults to one of its own")
     ap.add_argument("--profile", help="the cost profile (made there if missing; default: the engine's, "
@@ -235,7 +241,7 @@ def main() -> None:
     saturation = per_family["uniform"]
     print(f"saturation ~ {saturation:.2f} req/s (simulated)", flush=True)
 
-    calibration_check = speed_check(engine, cost)   # the machine's speed when the calibration ran
+    calibration_check = speed_check(engine, cost, rounds=args.check_rounds)   # the speed at the calibration
     t = time.perf_counter()
     corrected, fit_report = sustained_calibration(engine, cost, requests=n)
     wall = time.perf_counter() - t
@@ -270,11 +276,12 @@ def main() -> None:
         if args.load_at == "checked":
             # The machine's speed now, and the load a fraction of the saturation at that speed: a profile
             # made when the machine was faster would put "80%" beyond the targets' range (run 12).
-            first_check = speed_check(eng, cost)
+            first_check = speed_check(eng, cost, rounds=args.check_rounds)
             capacity = family_saturation(FAMILIES[of], n, rescaled(cost, first_check, by_size), engine_knobs(engine))
         row, traces = family_row(name, eng, {**family, "rate": load * capacity}, base_knobs, capacity, cost,
                                  corrected, recent, seeds=[21 + i + 100 * j for j in range(args.seeds)],
-                                 by_size=by_size, traces_dir=traces_dir, first_check=first_check)
+                                 by_size=by_size, traces_dir=traces_dir, first_check=first_check,
+                                 rounds=args.check_rounds)
         row["profile_saturation_req_s"] = own[of]
         row["recent_fitted_on"] = sorted({cell for cell, _ in window}) or ["the calibration run"]
         row["recent_correction"] = {"decode_scales": recent.decode_scales, "prefill_scales": recent.prefill_scales,
@@ -299,6 +306,7 @@ def main() -> None:
                      "saturation_req_s": saturation, "load_of": args.load_of, "load_at": args.load_at,
                      "saturation_per_family_req_s": own, "workload": base_knobs, "seeds": args.seeds,
                      "calibration": fit_report, "speed_check_at_calibration": calibration_check, "check": args.check,
+                     "check_rounds": args.check_rounds,
                      "speed_reference": "fit",
                      "correction": {"meta": corrected.meta["calibration"],
                                     "knots": corrected.knots, "decode_scales": corrected.decode_scales,

@@ -48,6 +48,49 @@ def met(rel: dict) -> tuple[bool, bool]:
     return p50, p50 and abs(rel["ttft_p90"]) <= 0.25 and abs(rel["tpot_p90"]) <= 0.25 and abs(rel["throughput"]) <= 0.05
 
 
+def result_and_profile(result_path: str, profiles: str) -> tuple[dict, Path, StepCostModel]:
+    """A sim_calibration result, and the profile in `profiles` its checks were made against (as the
+    result used it: any trace correction taken off)."""
+    result = json.loads(Path(result_path).read_text())
+    found = profile_of(result, load_profiles(Path(profiles)))
+    if found is None:
+        raise SystemExit(f"no profile in {profiles} is the reference of this result's check")
+    return result, found[0], replace(found[1], decode_scales=[], prefill_scales=[], between_steps=0.0)
+
+
+def engines(result: dict) -> tuple[Engine, Engine]:
+    """Engines like the result's: the families' and the forced-preemption cell's small one (same weights)."""
+    threads = {"torch_threads": result["torch_threads"]} if result.get("torch_threads") else {}
+    options = dict(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none", **threads)
+    engine = Engine(EngineConfig.from_options(**options))
+    return engine, Engine(EngineConfig.from_options(**options, num_kv_blocks=40, admission_policy="optimistic",
+                                                    min_resident_steps=2), loaded=engine.loaded)
+
+
+def cell(result: dict, row: dict, engine: Engine, small: Engine, traces: str | None) -> tuple[Engine, list, list]:
+    """A result row's engine, its workloads (one per seed) and, from `traces` (the result's ``--traces``
+    folder) where saved, its real runs' steps."""
+    name = row["family"]
+    family = next((knobs for key, knobs in FAMILIES.items() if name.startswith(key)), {})
+    specs = [WorkloadSpec(**{**base(result["workload"]["num_requests"]), **family, "rate": row["rate"],
+                             "seed": seed}) for seed in row["seeds"]]
+    files = [Path(traces) / f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}_seed{spec.seed}.json"
+             for spec in specs] if traces else []
+    steps = [traced_steps(StepTracer.load(f)) for f in files if f.is_file()]
+    return (small if name.startswith("forced") else engine), specs, steps
+
+
+def judged(specs: list, eng: Engine, costs: list[StepCostModel], real: dict, steps: list) -> dict:
+    """A cell simulated with one cost model per run: each metric's error against the real runs' and,
+    with every run's steps, the error of the models' prices of them."""
+    rel = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
+                    for spec, c in zip(specs, costs)], real)
+    if steps and len(steps) == len(specs):
+        real_s = sum(s.seconds for run in steps for s in run)
+        rel["step_error"] = sum(predicted(c, s) for run, c in zip(steps, costs) for s in run) / real_s - 1
+    return rel
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("result", help="a sim_calibration result JSON")
@@ -55,19 +98,11 @@ def main() -> None:
     ap.add_argument("--traces", help="the result's --traces folder (prices the real runs' steps)")
     ap.add_argument("--name", help="results JSON name (default: sim_recheck_<result's name>)")
     args = ap.parse_args()
-    result = json.loads(Path(args.result).read_text())
-    found = profile_of(result, load_profiles(Path(args.profiles)))
-    if found is None:
-        raise SystemExit(f"no profile in {args.profiles} is the reference of this result's check")
-    path, cost = found[0], replace(found[1], decode_scales=[], prefill_scales=[], between_steps=0.0)
+    result, path, cost = result_and_profile(args.result, args.profiles)
     print(f"profile: {path}", flush=True)
     to_fit = probe_over_fit(cost)
     stored_fit = result.get("speed_reference") == "fit"
-    threads = {"torch_threads": result["torch_threads"]} if result.get("torch_threads") else {}
-    options = dict(max_num_seqs=32, max_num_batched_tokens=1024, cost_model="none", **threads)
-    engine = Engine(EngineConfig.from_options(**options))
-    small = Engine(EngineConfig.from_options(**options, num_kv_blocks=40, admission_policy="optimistic",
-                                             min_resident_steps=2), loaded=engine.loaded)
+    engine, small = engines(result)
 
     def models(sizes: dict[str, float]) -> dict[str, StepCostModel]:
         out = {"profile": cost}
@@ -79,23 +114,11 @@ def main() -> None:
     rows, counts = [], {m: {"p50": 0, "every": 0, "step_errors": []} for m in MODELS}
     for row in result["families"]:
         name = row["family"]
-        family = next((knobs for key, knobs in FAMILIES.items() if name.startswith(key)), {})
-        eng = small if name.startswith("forced") else engine
-        specs = [WorkloadSpec(**{**base(result["workload"]["num_requests"]), **family, "rate": row["rate"],
-                                 "seed": seed}) for seed in row["seeds"]]
+        eng, specs, steps = cell(result, row, engine, small, args.traces)
         per_run = [models(sizes) for sizes in row["speed_by_tokens"]]
-        traces = [Path(args.traces) / f"{re.sub(r'[^A-Za-z0-9]+', '-', name).strip('-')}_seed{spec.seed}.json"
-                  for spec in specs] if args.traces else []
-        steps = [traced_steps(StepTracer.load(t)) for t in traces if t.is_file()]
         out = {"family": name}
         for label in MODELS:
-            costs = [m[label] for m in per_run]
-            rel = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
-                            for spec, c in zip(specs, costs)], row["real"])
-            out[label] = rel
-            if len(steps) == len(specs):
-                real_s = sum(s.seconds for run in steps for s in run)
-                out[label]["step_error"] = sum(predicted(c, s) for run, c in zip(steps, costs) for s in run) / real_s - 1
+            out[label] = rel = judged(specs, eng, [m[label] for m in per_run], row["real"], steps)
             if "150%" not in name:   # the issue's targets are for loads up to saturation
                 p50, every = met(rel)
                 counts[label]["p50"] += p50

@@ -328,13 +328,19 @@ def probe_times(engine: Engine, repeats: int = 5) -> dict[str, float]:
     return out
 
 
-def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
+def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5, rounds: int = 3) -> dict:
     """How much slower (> 1) or faster this machine runs the profile's probe steps now than `cost`
     prices them (`probe_reference`): per probe and their median (``factor``, what
-    ``StepCostModel.scaled`` takes). A profile saved before probes were recorded has none: ``factor``
-    is then None."""
+    ``StepCostModel.scaled`` takes). The probes are timed `rounds` times in a row (each round after its
+    own second of warm-up) and each probe's time is its median over the rounds; ``rounds_s`` keeps
+    every round's times. Why three: on the Zen4 VM a batch-1 probe's time moved by up to 1.41x (median
+    1.13x) between the rounds of one check, seconds apart, and in one benchmark run (sim_calibration
+    run 14) the profile scaled by the median of three rounds met every latency target in 10 of 10
+    cells, by any single round's 5, 9 and 8. A profile saved before probes were recorded has none:
+    ``factor`` is then None."""
     then = probe_reference(cost)
-    now = probe_times(engine, repeats)
+    each = [probe_times(engine, repeats) for _ in range(rounds)]
+    now = {k: statistics.median(r[k] for r in each) for k in each[0]}
     ratios = {k: now[k] / then[k] for k in now if then.get(k)}
     # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
     # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
@@ -342,7 +348,7 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5) -> dict:
     labels = {n: probe_label(kind, n, ctx) for kind, n, ctx in PROBE}
     by_tokens = {n: ratios[label] for n, label in labels.items() if label in ratios}
     return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
-            "factor": statistics.median(ratios.values()) if ratios else None}
+            "factor": statistics.median(ratios.values()) if ratios else None, "rounds_s": each}
 
 
 def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool = False) -> dict:

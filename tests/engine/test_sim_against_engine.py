@@ -213,7 +213,7 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     A profile's sweeps (`passes`) give one sample per shape; it measures the decode steps after a chunk."""
     import statistics
 
-    from conveyor.profile import AFTER_PREFILL_STEPS, recheck_profile, step_shapes
+    from conveyor.profile import AFTER_PREFILL_STEPS, recheck_profile, speed_check, step_shapes
     from conveyor.sim.cost import StepShape
 
     engine = make_engine(max_num_seqs=8)
@@ -251,6 +251,10 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     # under that model, each scaled by a factor within the check's range (interpolated between probes)
     by = recheck_profile(engine, path, rescale=True, by_size=True)
     sized = StepCostModel.load(path)
+    # a check of several rounds: each probe's time is its median over them, every round kept
+    rounds = speed_check(engine, sized, rounds=3)
+    assert len(rounds["rounds_s"]) == 3 and rounds["then_s"] == sized.meta["probe_fit"]
+    assert rounds["now_s"] == {k: statistics.median(r[k] for r in rounds["rounds_s"]) for k in probe}
     assert sized.meta["speed_checks"][-1]["by_tokens"] == {str(n): f for n, f in by["by_tokens"].items()}   # JSON
     assert sized.token_cost(1) == pytest.approx(by["by_tokens"][1] * saved.token_cost(1))
     low, high = min(by["ratios"].values()), max(by["ratios"].values())
