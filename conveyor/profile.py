@@ -351,13 +351,14 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5, rounds: i
             "factor": statistics.median(ratios.values()) if ratios else None, "rounds_s": each}
 
 
-def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool = False) -> dict:
-    """``conveyor profile --recheck [--rescale [--rescale-by size|median]]``: the speed check of the profile saved
-    at `path`; with `rescale`, the profile saved again scaled by its factor (with `by_size`, by each
-    probe's ratio over the step-cost curve by size, ``StepCostModel.scaled``), with the probe times of
-    now, the scaled fit's prices of the probes (what the next check compares with: each reference
-    times the factor the scaled model applies at that probe's shape) and the check's date and factors
-    in ``meta.speed_checks``."""
+def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool = True) -> dict:
+    """``conveyor profile --recheck [--rescale [--rescale-by size|median]]``: the speed check of the
+    profile saved at `path`; with `rescale`, the profile saved again scaled by what it found (with
+    `by_size`, the default as ``--rescale``'s, by each probe's ratio over the step-cost curve by size,
+    ``StepCostModel.scaled``; else by their median), with the probe times of now, the scaled fit's
+    prices of the probes (what the next check compares with: each reference times the factor the
+    scaled model applies at that probe's shape) and the check's date and factors in
+    ``meta.speed_checks``."""
     from pathlib import Path
 
     path = Path(path)

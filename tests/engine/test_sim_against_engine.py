@@ -232,7 +232,7 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     assert len(chunk) == 1 and fit["prefill 256@0"] == pytest.approx(chunk[0]["fitted_s"])
     path = tmp_path / "profile.json"
     model.save(path)
-    check = recheck_profile(engine, path, rescale=True)
+    check = recheck_profile(engine, path, rescale=True, by_size=False)   # --rescale-by median
     factor = check["factor"]
     assert check["then_s"] == fit and set(check["ratios"]) == set(probe)
     assert factor == pytest.approx(statistics.median(check["now_s"][k] / fit[k] for k in probe))
@@ -249,7 +249,7 @@ def test_a_speed_check_times_the_profiles_probe_steps_again(make_engine, tmp_pat
     assert again["then_s"] == saved.meta["probe_fit"] and StepCostModel.load(path).knot_costs == saved.knot_costs
     # --rescale by-size: each probe's factor at its step size; the next references are the probes' prices
     # under that model, each scaled by a factor within the check's range (interpolated between probes)
-    by = recheck_profile(engine, path, rescale=True, by_size=True)
+    by = recheck_profile(engine, path, rescale=True)   # by size, as --rescale
     sized = StepCostModel.load(path)
     # a check of several rounds: each probe's time is its median over them, every round kept
     rounds = speed_check(engine, sized, rounds=3)
