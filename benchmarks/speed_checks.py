@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, save
-from conveyor.profile import PROBE, probe_label, probe_reference
+from conveyor.profile import probe_by_tokens, probe_reference
 from conveyor.sim.cost import StepCostModel
 
 
@@ -63,8 +63,7 @@ def probe_over_fit(cost: StepCostModel) -> dict[int, float]:
     """A profile's probe times over its fit's prices, by the probe's token count: a check's ratio
     against the probe time times this is its ratio against the fit."""
     fit = probe_reference(cost)
-    return {n: cost.meta["probe"][label] / fit[label] for kind, n, ctx in PROBE
-            if (label := probe_label(kind, n, ctx)) in fit}
+    return probe_by_tokens({label: cost.meta["probe"][label] / t for label, t in fit.items()})
 
 
 def both_references(sizes: dict, to_fit: dict[int, float], stored_fit: bool) -> dict[str, dict[int, float]]:

@@ -256,6 +256,11 @@ def probe_label(kind: str, n: int, ctx: int) -> str:
     return f"{kind} {n}@{ctx}"
 
 
+def probe_by_tokens(per_probe: dict[str, float]) -> dict[int, float]:
+    """Values by probe label (``decode 8@128``) keyed by the probe step's token count instead (8)."""
+    return {n: per_probe[label] for kind, n, ctx in PROBE if (label := probe_label(kind, n, ctx)) in per_probe}
+
+
 def _probe_seqs(engine: Engine, plans: _Plans) -> dict[str, list[ScheduledSeq]]:
     """The sequences of each ``PROBE`` step that fits this engine's batch and KV cache, by label."""
     built = {}
@@ -288,8 +293,9 @@ def probe_reference(cost: StepCostModel) -> dict[str, float]:
     now from what the model prices, not from one moment of the profile. The probes are timed at the
     profile's end, minutes after its samples, and on the Zen4 VM the two disagreed at the same shape
     by up to 34% (a 256-token chunk 1.34x the fit; batch 8 1.28x, batch 1 0.82x in other profiles); a
-    check against the probe times carried that error into every factor (over the same runs the step cost followed the factors to
-    the power 0.68 at one thread, 0.27 at two; against the fit 0.81 and 0.45: docs/simulator.md)."""
+    check against the probe times carried that error into every factor (over the same runs the step
+    cost followed the factors to the power 0.68 at one thread, 0.27 at two; against the fit 0.81 and
+    0.45: docs/simulator.md)."""
     meta = cost.meta
     probe = meta.get("probe") or {}
     fit = dict(meta.get("probe_fit") or {})
@@ -344,10 +350,8 @@ def speed_check(engine: Engine, cost: StepCostModel, repeats: int = 5, rounds: i
     ratios = {k: now[k] / then[k] for k in now if then.get(k)}
     # The same ratios by the probe step's token count (small memory-bound steps and large compute-bound ones
     # drift apart): `StepCostModel.scaled(factor, by_tokens)` interpolates them over the step-cost curve.
-    # `--rescale` takes the median; sim_calibration's "checked" model scales by size.
-    labels = {n: probe_label(kind, n, ctx) for kind, n, ctx in PROBE}
-    by_tokens = {n: ratios[label] for n, label in labels.items() if label in ratios}
-    return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": by_tokens,
+    # `--rescale` and sim_calibration's "checked" model scale by size (`--rescale-by median`: the median).
+    return {"now_s": now, "then_s": then, "ratios": ratios, "by_tokens": probe_by_tokens(ratios),
             "factor": statistics.median(ratios.values()) if ratios else None, "rounds_s": each}
 
 
