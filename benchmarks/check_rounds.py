@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from common import RESULTS, save
-from sim_recheck import engines, result_and_profile, resimulate, summary_text, within
+from sim_calibration import summary_text, within
+from sim_recheck import engines, result_and_profile, resimulate
 from conveyor.profile import probe_by_tokens
 
 WAYS = ("round 1", "round 2", "round 3", "median of 3", "min of 3")

@@ -30,23 +30,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from common import RESULTS, save
-from sim_calibration import FAMILIES, METRICS, base, relative
+from sim_calibration import FAMILIES, METRICS, base, relative, summary_text, tally, within
 from speed_checks import both_references, load_profiles, probe_over_fit, profile_of
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine
 from conveyor.engine.trace import StepTracer
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.simulator import engine_knobs, simulate
-from conveyor.sim.validate import predicted, traced_steps
+from conveyor.sim.validate import runs_step_errors, traced_steps
 from conveyor.sim.workload import WorkloadSpec
 
 MODELS = ("profile", "probe, median", "probe, by size", "fit, median", "fit, by size")
-
-
-def met(rel: dict) -> tuple[bool, bool]:
-    """(TTFT and TPOT p50 within 15%, every target: p90s within 25% and throughput within 5% too)."""
-    p50 = abs(rel["ttft_p50"]) <= 0.15 and abs(rel["tpot_p50"]) <= 0.15
-    return p50, p50 and abs(rel["ttft_p90"]) <= 0.25 and abs(rel["tpot_p90"]) <= 0.25 and abs(rel["throughput"]) <= 0.05
 
 
 def result_and_profile(result_path: str, profiles: str) -> tuple[dict, Path, StepCostModel]:
@@ -87,19 +81,9 @@ def judged(specs: list, eng: Engine, costs: list[StepCostModel], real: dict, ste
     rel = relative([simulate(spec.generate(), cost=c, seed=spec.seed, **engine_knobs(eng))
                     for spec, c in zip(specs, costs)], real)
     if steps and len(steps) == len(specs):
-        real_s = sum(s.seconds for run in steps for s in run)
-        rel["step_error"] = sum(predicted(c, s) for run, c in zip(steps, costs) for s in run) / real_s - 1
+        report = runs_step_errors(list(zip(steps, costs)))
+        rel["step_error"], rel["step_buckets"] = report["all"]["error"], report["buckets"]
     return rel
-
-
-def targeted(row: dict) -> bool:
-    """Whether issue 20's targets are for this cell: all but the forced-preemption one, beyond saturation."""
-    return "150%" not in row["family"]
-
-
-def within(rows: list[dict]) -> list[dict]:
-    """The cells issue 20's targets are for."""
-    return [row for row in rows if targeted(row)]
 
 
 def resimulate(result: dict, pair: tuple[Engine, Engine], traces: str | None,
@@ -107,38 +91,22 @@ def resimulate(result: dict, pair: tuple[Engine, Engine], traces: str | None,
     """Every cell of `result` simulated again under each model `per_run(row)` gives (by label, one
     dict per real run of the cell), against the real runs' percentiles as saved; with `traces`, the
     models' prices of the runs' steps too. Returns the cells' errors and, per model over the cells
-    within the targets' range, how many met the p50 targets, how many every target, and the mean
-    absolute step error."""
+    within the targets' range, `tally`'s counts (p50 targets, every target, step cost within 10% in
+    every shape bucket) and mean absolute step error."""
     engine, small = pair   # as `engines` makes them
-    rows, counts = [], {}
+    rows = []
     for row in result["families"]:
         eng, specs, steps = cell(result, row, engine, small, traces)
         models = per_run(row)
         out = {"family": row["family"]}
         for label in models[0]:
-            out[label] = rel = judged(specs, eng, [m[label] for m in models], row["real"], steps)
-            if targeted(row):
-                c = counts.setdefault(label, {"p50": 0, "every": 0, "step_errors": []})
-                p50, every = met(rel)
-                c["p50"] += p50
-                c["every"] += every
-                if "step_error" in rel:
-                    c["step_errors"].append(abs(rel["step_error"]))
+            out[label] = judged(specs, eng, [m[label] for m in models], row["real"], steps)
         rows.append(out)
         print(f"{row['family']:28s}", " | ".join(f"{m}: " + " ".join(f"{100 * out[m][k]:+.0f}" for k in METRICS)
                                                  for m in models[0]), flush=True)
-    summary = {m: {"p50": c["p50"], "every": c["every"],
-                   "mean_abs_step_error": statistics.fmean(c["step_errors"]) if c["step_errors"] else None}
-               for m, c in counts.items()}
+    summary = {m: tally([r[m] for r in within(rows)]) for m in rows[0] if m != "family"}
     print(summary, flush=True)
     return rows, summary
-
-
-def summary_text(summary: dict, label: str) -> str:
-    """One model's line in docs/benchmarks.md: cells meeting every target (the p50s, the step error)."""
-    s = summary[label]
-    step = f", step {100 * s['mean_abs_step_error']:.1f}%" if s["mean_abs_step_error"] is not None else ""
-    return f"{label} {s['every']} ({s['p50']} p50s{step})"
 
 
 def main() -> None:

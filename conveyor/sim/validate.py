@@ -130,20 +130,34 @@ def predicted(cost: StepCostModel, step: TracedStep) -> float:
 def step_errors(steps: list[TracedStep], cost: StepCostModel) -> dict:
     """Per bucket (kind x token range) and overall: steps, median measured and modelled cycle (ms),
     the error of the bucket's total time (modelled / measured - 1) and the mean absolute error per step."""
-    def summary(group: list[TracedStep]) -> dict:
-        real = [s.seconds for s in group]
-        model = [predicted(cost, s) for s in group]
-        return {"steps": len(group), "real_ms": 1e3 * statistics.median(real), "model_ms": 1e3 * statistics.median(model),
-                "error": sum(model) / sum(real) - 1,
+    return runs_step_errors([(steps, cost)])
+
+
+def runs_step_errors(runs: Sequence[tuple[Sequence[TracedStep], StepCostModel]]) -> dict:
+    """`step_errors` of several runs' steps pooled, each run's priced by its own model (a model
+    scaled by the speed check before each run); buckets split where the first run's model says."""
+    priced = [(s, predicted(cost, s)) for steps, cost in runs for s in steps]
+
+    def summary(group: list[tuple[TracedStep, float]]) -> dict:
+        real = [s.seconds for s, _ in group]
+        model = [m for _, m in group]
+        return {"steps": len(group), "real_ms": 1e3 * statistics.median(real),
+                "model_ms": 1e3 * statistics.median(model), "error": sum(model) / sum(real) - 1,
                 "mean_abs_error": statistics.fmean(abs(m / r - 1) for m, r in zip(model, real))}
 
     rows = []
     for kind in KINDS:
-        for lo, hi in token_buckets(cost):
-            group = [s for s in steps if s.kind == kind and lo <= s.shape.tokens <= hi]
+        for lo, hi in token_buckets(runs[0][1]):
+            group = [(s, m) for s, m in priced if s.kind == kind and lo <= s.shape.tokens <= hi]
             if group:
                 rows.append({"kind": kind, "tokens": _label(lo, hi), **summary(group)})
-    return {"buckets": rows, "all": summary(steps)}
+    return {"buckets": rows, "all": summary(priced)}
+
+
+def buckets_within(buckets: list[dict], tolerance: float = 0.10, min_steps: int = 20) -> bool:
+    """Issue 20's step-cost target on a `step_errors` report's buckets: every bucket of at least
+    `min_steps` steps (fewer are a handful of steps, often the first of a run) within `tolerance`."""
+    return all(abs(b["error"]) <= tolerance for b in buckets if b["steps"] >= min_steps)
 
 
 def _traces(trace: StepTracer | Sequence[StepTracer]) -> list[StepTracer]:
@@ -315,5 +329,6 @@ def format_errors(report: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RUN", "SpeedTimeline", "TracedStep", "calibrate", "format_errors", "gaps_between_steps", "speed_timeline",
-           "step_errors", "sustained_calibration", "token_buckets", "traced_steps", "validate"]
+__all__ = ["RUN", "SpeedTimeline", "TracedStep", "buckets_within", "calibrate", "format_errors", "gaps_between_steps",
+           "runs_step_errors", "speed_timeline", "step_errors", "sustained_calibration", "token_buckets",
+           "traced_steps", "validate"]

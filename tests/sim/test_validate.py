@@ -6,10 +6,12 @@ the right answer is known exactly."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +20,8 @@ from conveyor.engine.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.sim.cost import AfterPrefill, StepCostModel, StepShape
 from conveyor.sim.simulator import SimRequest, simulate
-from conveyor.sim.validate import (calibrate, gaps_between_steps, predicted, speed_timeline, token_buckets,
-                                   traced_steps, validate)
+from conveyor.sim.validate import (buckets_within, calibrate, gaps_between_steps, predicted, runs_step_errors,
+                                   speed_timeline, step_errors, token_buckets, traced_steps, validate)
 from conveyor.sim.workload import WorkloadSpec
 
 KNOTS = [1, 2, 4, 8, 9, 16, 64, 256, 1024]
@@ -255,6 +257,30 @@ def test_a_check_by_step_size_scales_the_curve_between_its_probes():
     assert scaled.shape_time(small) > 1.3 * PROFILE.shape_time(small)
 
 
+def test_runs_priced_by_their_own_models_pool_per_bucket():
+    """A model scaled by the check before each run (sim_calibration's "checked"): each run's steps are
+    priced by its own model, then pooled per bucket; one run alone is `step_errors`. The target on
+    buckets counts only those of 20 steps or more."""
+    a, b = traced_steps(real_trace(seed=1)), traced_steps(real_trace(seed=2))
+    truth = replace(TRUTH, between_steps=GAP)
+    alone = runs_step_errors([(a, PROFILE)])
+    assert alone == step_errors(a, PROFILE)
+    # run a priced exactly, run b at 1.3x: every bucket's error is b's share of the bucket's time x 0.3
+    pooled = runs_step_errors([(a, truth), (b, truth.scaled(1.3))])
+    assert pooled["all"]["steps"] == len(a) + len(b)
+    for row in pooled["buckets"]:
+        lo = int(row["tokens"].split("-")[0].rstrip("+"))
+        hi = dict(token_buckets(PROFILE))[lo]
+        in_a, in_b = ([s.seconds for s in run if s.kind == row["kind"] and lo <= s.shape.tokens <= hi]
+                      for run in (a, b))
+        assert row["steps"] == len(in_a) + len(in_b)
+        assert row["error"] == pytest.approx(0.3 * sum(in_b) / (sum(in_a) + sum(in_b)), rel=1e-6)
+    assert not buckets_within(pooled["buckets"])
+    assert buckets_within(runs_step_errors([(a, truth), (b, truth)])["buckets"])
+    small = [dict(r, error=0.5, steps=19) for r in alone["buckets"]]
+    assert buckets_within(small) and not buckets_within(small, min_steps=19)
+
+
 def test_profile_timing_runs_short_steps_for_a_minimum_time(monkeypatch):
     """A shape is run once to warm up, then `repeats` times, and more while less than `min_seconds`
     have passed (a clock that advances 125 ms per run here), never more than MAX_REPEATS."""
@@ -458,3 +484,16 @@ def test_a_profile_measured_with_n_threads_is_the_one_an_engine_of_n_threads_tak
     assert load_cost_model("none", "m", "bfloat16", 1) is None
     assert load_cost_model(str(plain), "m", "bfloat16", 1).swap_block == 0.5   # a path given wins
     assert main(["profile"]) == 0 and f"saved {plain}" in capsys.readouterr().out
+
+
+def test_the_repeat_floor_judges_an_exact_simulator_by_the_spread_of_two_real_runs(monkeypatch):
+    """benchmarks/repeat_floor.py: a real repeat 20% off on TPOT p50 misses the 15% target, but an
+    exact simulator (off from one run by the difference / sqrt 2, 14%) would not; 30% off it would."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    repeat_floor = importlib.import_module("repeat_floor")
+    zero = dict.fromkeys(("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput"), 0.0)
+    report = repeat_floor.judged([{**zero, "tpot_p50": 0.20}, {**zero, "tpot_p50": -0.30}, zero, zero])
+    assert report["measured"] == {"missed_p50": 2, "missed_any": 2, "run_passes": pytest.approx(0.5 ** 4)}
+    assert report["exact_simulator"]["missed_any"] == 1
+    assert report["exact_simulator"]["run_passes"] == pytest.approx(0.75 ** 4)
+    assert report["tpot_p50"]["median_abs"] == pytest.approx(0.10)
