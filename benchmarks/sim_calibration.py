@@ -45,13 +45,17 @@ and what a per-bucket factor cannot say about single steps); the difference betw
 and this one is what the step-cost prediction costs.
 
 Near saturation (80%) the short-prompt families run a second time on the real engine: the difference
-between two real runs of one workload is the floor under the simulator's error at this sample size.
+between two real runs of one workload is the floor under the simulator's error at this sample size
+(`repeat_floor.py` gathers these repeats over results).
 
 Reported per family and load: TTFT and TPOT p50 / p90 and throughput, real vs simulated (relative
 error), preemptions, the step-cost error of the run's own trace under the five models (overall
-and per shape bucket), and the load as a fraction of the capacity the machine had during the runs
-(``measured_load``: the rate over the family's saturation under the "own" model; issue 20's targets
-are for loads up to 85% of measured capacity). With ``--seeds K`` every family and load runs K
+and per shape bucket, each run's steps priced by its own model; for "checked" since run 16), and the
+load as a fraction of the capacity the machine had during the runs (``measured_load``: the rate over
+the family's saturation under the "own" model; issue 20's targets are for loads up to 85% of measured
+capacity). Per model, over the cells the targets are for (all but forced preemption), ``summary``
+counts the cells meeting the p50 targets, every target, and every bucket of 20 steps or more within
+10%. With ``--seeds K`` every family and load runs K
 times, each with requests of its own (a speed check before each), and the metrics are taken over the
 K runs' requests together: K times the sample without one run lasting K times as long. Writes JSON and a line in
 docs/benchmarks.md.
@@ -219,7 +223,7 @@ def family_row(name: str, eng: Engine, knobs: dict, base_knobs: dict, saturation
         report = runs_step_errors(list(zip(steps, costs)))
         row[f"step_error_{label}"] = {"steps": report["all"]["steps"], "error": report["all"]["error"],
                                       "per_run": [step_errors(run, c)["all"] for run, c in zip(steps, costs)],
-                                      "buckets": report["buckets"]}   # until run 14 not for "checked"
+                                      "buckets": report["buckets"]}   # for "checked" since run 16
     if 0.5 < knobs["rate"] / saturation < 1 and "long" not in name:
         # The same workloads on the real engine again: how far one run's percentiles are from the
         # next one's (the floor under any simulator's error at this sample size). The first run's
