@@ -67,11 +67,11 @@ def main() -> None:
     sources: dict[str, list[str]] = {}
     for path in paths:
         result = json.loads(path.read_text())
-        repeats = [{"family": row["family"], **row["real_repeat"]} for row in result["families"]
-                   if row.get("real_repeat")]
+        repeats = [row["real_repeat"] for row in result["families"] if row.get("real_repeat")]
         if repeats:
-            groups.setdefault(group_of(result), []).extend(repeats)
-            sources.setdefault(group_of(result), []).append(path.name)
+            group = group_of(result)
+            groups.setdefault(group, []).extend(repeats)
+            sources.setdefault(group, []).append(path.name)
     everything = [r for rs in groups.values() for r in rs]
     if not everything:
         raise SystemExit("no real repeats in these results")
