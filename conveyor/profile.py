@@ -392,6 +392,21 @@ def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool =
 EXTRA = ("prefill_attention", "sampled")
 
 
+def _identifiable(x: np.ndarray, first_extra: int) -> list[int]:
+    """The columns to fit: all knots, and each extra column (from `first_extra` on) that the others do
+    not already span. A sweep that samples every token count with one count of sampled sequences (the
+    quick profile's) cannot tell a sampled sequence's cost from the knots': least squares then picks the
+    smallest-norm split, which moved the decode knots below zero (clipped, and the fit was 60% off)."""
+    unit = x / np.maximum(np.linalg.norm(x, axis=0), 1e-300)
+    active = list(range(x.shape[1]))
+    rank = np.linalg.matrix_rank(unit)
+    for i in reversed(range(first_extra, x.shape[1])):
+        rest = [j for j in active if j != i]
+        if np.linalg.matrix_rank(unit[:, rest]) == rank:
+            active = rest
+    return active
+
+
 def fit(samples: list[Sample]) -> tuple[StepCostModel, dict]:
     """Least squares on relative error (each sample weighted by 1 / its time). The unknowns: the
     curve's value at every measured token count, the cost per KV token the decodes read at every
@@ -413,8 +428,8 @@ def fit(samples: list[Sample]) -> tuple[StepCostModel, dict]:
                  dtype=np.float64)
     y = np.array([s.seconds for s in samples], dtype=np.float64)
     w = 1.0 / y
-    active = list(range(x.shape[1]))
     n, m = len(knots), len(batches)
+    active = _identifiable(x * w[:, None], n)
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         extra_neg = [(c, i) for c, i in zip(coef, active) if i >= n and c < 0]

@@ -43,30 +43,105 @@ def test_a_replayed_engine_run_schedules_identically(make_engine, seed):
     assert [r.num_output_tokens for r in real] == [r.num_output_tokens for r in sim] == [w.output_len for w in wl]
 
 
-def test_profile_fits_the_runner_and_drives_auto_preemption(make_engine, tmp_path):
+def test_a_profile_has_its_shapes_and_round_trips(make_engine, tmp_path):
+    """On real timings the profile's shape is asserted, not how well its curve fits them: on a busy
+    2-vCPU machine one quick sweep's fit error moved past 0.9 (benchmarks/profile_fit.py measures it)."""
+    from conveyor.profile import step_shapes
+
     engine = make_engine(max_num_seqs=8)
-    # three sweeps: each shape's cost the median of three timings, so one hiccup of a busy machine on a
-    # sub-millisecond step cannot make the fit look bad (one sweep failed the bound once in a full suite, 1.24)
-    model = profile(engine, quick=True, repeats=1, passes=3, progress=False)
+    model = profile(engine, quick=True, repeats=1, passes=1, progress=False)
     fit = model.meta["fit"]
-    assert fit["samples"] >= 8 and fit["mean_abs_rel_error"] < 0.5
-    assert all(c > 0 for c in model.knot_costs) and model.swap_block > 0 and model.kv_bytes_per_token > 0
+    assert fit["samples"] == len(step_shapes(engine, quick=True)) == len(model.meta["samples"])
+    assert all(s["measured_s"] > 0 for s in model.meta["samples"]) and fit["mean_abs_rel_error"] >= 0
+    assert all(c >= 0 for c in model.knot_costs) and sum(model.knot_costs) > 0   # the fit clips at zero
+    assert model.swap_block > 0 and model.kv_bytes_per_token > 0
     path = tmp_path / "profile.json"
     model.save(path)
     loaded = StepCostModel.load(path)
     assert loaded.knots == model.knots and loaded.token_cost(3) == pytest.approx(model.token_cost(3))
-    costs = make_engine(cost_model=str(path)).scheduler.costs
-    assert costs.swap(3) == pytest.approx(2 * 3 * model.swap_block)
+    assert loaded.swap_block == model.swap_block and loaded.meta["fit"] == fit
+    with pytest.raises(ValueError, match="not a step cost model"):
+        (tmp_path / "bad.json").write_text('{"kind": "other"}')
+        make_engine(cost_model=str(tmp_path / "bad.json"))
+
+
+# A machine whose steps take exactly what this model prices them at, and whose swaps take SWAP_BLOCK
+# seconds per block: linear in every term, so the profile's piecewise fit can represent it exactly.
+TRUTH = StepCostModel([1, 4096], [2e-3 + 4e-5, 2e-3 + 4e-5 * 4096], decode_context=3e-8, prefill_attention=2e-9,
+                      sampled=1e-4, seq=0.0)
+SWAP_BLOCK = 5e-5
+
+
+def profile_on_a_fake_clock(engine, monkeypatch) -> StepCostModel:
+    """`conveyor profile` with its clock replaced: time passes only inside the runner's steps and swaps,
+    by TRUTH's price of each (the steps still run, on the real model)."""
+    import conveyor.profile as prof
+    from conveyor.sim.cost import StepShape
+
+    clock = [0.0]
+    runner = engine.runner
+    execute, swap = runner.execute, runner.swap
+
+    def timed_execute(plan):
+        clock[0] += TRUTH.shape_time(StepShape.of(plan))
+        return execute(plan)
+
+    def timed_swap(swap_out, swap_in):
+        clock[0] += SWAP_BLOCK * (len(swap_out) + len(swap_in))
+        return swap(swap_out, swap_in)
+
+    monkeypatch.setattr(runner, "execute", timed_execute)
+    monkeypatch.setattr(runner, "swap", timed_swap)
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+    return profile(engine, quick=True, repeats=1, passes=1, progress=False)
+
+
+def test_a_profile_on_a_deterministic_clock_prices_every_step_as_the_machine_ran_it(make_engine, monkeypatch):
+    model = profile_on_a_fake_clock(make_engine(max_num_seqs=8), monkeypatch)
+    fit = model.meta["fit"]
+    assert fit["mean_abs_rel_error"] < 1e-6 and fit["max_abs_rel_error"] < 1e-6
+    for s in model.meta["samples"]:
+        assert s["fitted_s"] == pytest.approx(s["measured_s"], rel=1e-6)
+    assert model.swap_block == pytest.approx(SWAP_BLOCK, rel=1e-9)
+    assert model.meta["engine_overhead_s"] == {"batch_1": 0.0, "batch_8": 0.0}   # no time outside the runner
+    # the profile's own probe prices are the times the steps took
+    assert model.meta["probe_fit"] == pytest.approx(model.meta["probe"], rel=1e-6)
+
+
+@pytest.mark.parametrize("swap_block, mode", [(1e-9, "swap"), (1.0, "recompute")])
+def test_a_profile_drives_auto_preemption_as_it_prices_it(make_engine, monkeypatch, tmp_path, swap_block, mode):
+    """`preemption_mode auto` takes the cheaper way back for each victim, priced by the profile: the same
+    profile with swaps nearly free preempts by swapping, with swaps dear by recomputing."""
+    model = profile_on_a_fake_clock(make_engine(max_num_seqs=8), monkeypatch)
+    model.swap_block = swap_block
+    path = tmp_path / "profile.json"
+    model.save(path)
+    engine = make_engine(**{**OPTIONS, "cost_model": str(path)})
+    costs = engine.scheduler.costs
+    assert costs.swap(3) == pytest.approx(2 * 3 * swap_block)
     for n in (16, 300):   # the profile's step-cost curve, attention included
         assert costs.recompute(n) == pytest.approx(n * model.recompute_time_per_token(n))
+    wl = WorkloadSpec(num_requests=30, rate=3000, prompt_len="3:30", output_len="2:20", seed=3).generate()
+    run_on_engine(engine, wl, seed=3)
+    s = engine.stats()
+    assert s.num_finished == 30 and s.num_preemptions > 0
+    if mode == "swap":
+        assert s.num_swaps_out > 0 and s.num_swaps_in == s.num_swaps_out
+    else:
+        assert s.num_swaps_out == 0
+    engine.kv.check_invariants(set())
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks   # every block back
+
+
+def test_preemption_costs_without_a_profile_and_set_by_the_user(make_engine, tmp_path):
+    model = StepCostModel([1, 64], [1e-3, 5e-3], swap_block=3e-5)
+    path = tmp_path / "profile.json"
+    model.save(path)
     default = make_engine(cost_model="none").scheduler.costs
     assert (default.swap(1), default.recompute(10)) == (2 * 2e-4, 10 * 1e-3)
     # costs the user set win over the profile
     mine = make_engine(cost_model=str(path), swap_cost_per_block=5e-3, recompute_cost_per_token=7e-3).scheduler.costs
     assert (mine.swap(1), mine.recompute(10)) == (pytest.approx(2 * 5e-3), pytest.approx(10 * 7e-3))
-    with pytest.raises(ValueError, match="not a step cost model"):
-        (tmp_path / "bad.json").write_text('{"kind": "other"}')
-        make_engine(cost_model=str(tmp_path / "bad.json"))
 
 
 def test_the_engine_writes_a_step_trace(make_engine, tmp_path):
