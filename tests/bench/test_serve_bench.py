@@ -150,16 +150,19 @@ def test_client_times_a_fake_stream():
             assert r["output_tokens"] == r["output_len"] == r["events"]
             assert r["prompt_tokens"] == r["prompt_len"]
             assert r["ttft"] >= 0.015 and r["e2e"] >= r["ttft"] + 0.015 * (r["output_len"] - 1)
-    assert 0.015 < m["itl_s"]["median"] < 0.2 and 0.015 < m["tpot_s"]["median"] < 0.2
+    # the fake stream's sleeps bound the gaps from below; how far above is the machine's business
+    assert m["itl_s"]["median"] > 0.015 and m["tpot_s"]["median"] > 0.015
     json.dumps(m)
 
 
 def test_hard_timeout_counts_open_requests_as_errors():
-    transport, _ = fake_server(gap=0.2)
+    # One request takes at least 1.2 s (3 tokens 0.4 s apart), so a second can never finish within 2 s,
+    # and the first has 0.8 s to spare however busy the machine.
+    transport, _ = fake_server(gap=0.4)
     cfg = LoadConfig(base_url="http://fake/v1", model="m", num_requests=4, concurrency=1, output_len=(3, 3),
-                     warmup=0, timeout=1.0)
+                     warmup=0, timeout=2.0)
     m = asyncio.run(run_load(cfg, transport=transport))
-    assert m["completed"] == 1 and m["errors"] == 3 and m["duration_s"] < 1.5
+    assert m["completed"] == 1 and m["errors"] == 3 and m["duration_s"] < 4 * 1.2   # not waited out
     assert set(m["error_kinds"]) <= {"timeout (incomplete)", "timeout (not sent)"}
 
 

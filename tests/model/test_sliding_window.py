@@ -98,4 +98,6 @@ def test_profile_runs_on_a_hybrid_kv_cache(tiny_models):
         layout = llm.engine.runner.layout
         assert layout is not None and layout.num_groups > 1
         model = profile(llm.engine, quick=True, repeats=1, progress=False)
-    assert model.knots and all(c > 0 for c in model.knot_costs)
+    # real timings: the fit clips a knot at zero, and noise may put one there (benchmarks/profile_fit.py)
+    assert model.knots and all(c >= 0 for c in model.knot_costs) and sum(model.knot_costs) > 0
+    assert model.meta["fit"]["samples"] == len(model.meta["samples"]) > 0

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 NUM_REQUESTS = 1000 if os.environ.get("CONVEYOR_HEAVY_TESTS") == "1" else 400   # CI's time budget
 CONCURRENCY = 24
 MAX_ATTEMPTS = 100       # per request; a 503 after the last one is final (and fails the test)
-RETRY_WINDOW_S = 600     # after this, 503s are final too: the soak ends even if the server stops serving
+RETRY_WINDOW_S = 300     # per request: after this, its 503s are final too (the soak ends even if the server
+                         # stops serving; per request, not per soak, so a slow machine's long soak is not cut)
 WORDS = "the a cat dog runs fast slow red blue story about time river stone".split()
 PROBE = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 SERVED = ("disconnects", "chat", "n=2", "plain")   # must all end with a 200
@@ -35,17 +36,17 @@ SERVED = ("disconnects", "chat", "n=2", "plain")   # must all end with a 200
 class Client:
     def __init__(self, http: httpx.AsyncClient):
         self.http = http
-        self.deadline = time.monotonic() + RETRY_WINDOW_S
         self.attempts: Counter = Counter()   # the status of every response, retried 503s included
 
     async def post(self, rng: random.Random, path: str, payload: bytes | dict, stream: bool = False):
         """POST, retrying 503s after their Retry-After; a streamed response is returned open."""
         kw = {"content": payload, "headers": {"Content-Type": "application/json"}} if isinstance(payload, bytes) \
             else {"json": payload}
+        deadline = time.monotonic() + RETRY_WINDOW_S
         for attempt in range(1, MAX_ATTEMPTS + 1):
             r = await self.http.send(self.http.build_request("POST", path, **kw), stream=stream)
             self.attempts[r.status_code] += 1
-            if r.status_code != 503 or attempt == MAX_ATTEMPTS or time.monotonic() > self.deadline:
+            if r.status_code != 503 or attempt == MAX_ATTEMPTS or time.monotonic() > deadline:
                 return r
             await r.aread()
             await r.aclose()
