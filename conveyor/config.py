@@ -47,6 +47,14 @@ class EngineConfig:
               "tables, local groups giving back blocks that left their window (off: one table for all layers, "
               "every block kept for the whole sequence)")
     seed: int = option(0, "engine seed for requests that give none")
+    generation_config: str = option(
+        "auto", "default sampling parameters for fields a request omits (temperature, top_p, top_k, min_p, "
+                "repetition_penalty, max_tokens), as vLLM: 'auto' takes the model's (an HF directory's "
+                "generation_config.json; a GGUF's general.sampling metadata or a generation_config.json beside "
+                "it; the demo model's built-in ones); 'vllm' none; or a folder / JSON file to read them from")
+    override_generation_config: str | None = option(
+        None, "a JSON object of default sampling parameters merged over --generation-config's, e.g. "
+              "'{\"temperature\": 0.5}' (offline: a dict)")
     torch_threads: int | None = option(None, "CPU threads for torch (default: all cores; 1 can be faster when "
                                              "other work shares them)")
     max_consecutive_step_failures: int = option(

@@ -48,6 +48,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     tokenizer: Tokenizer
+    generation_defaults: dict   # the model's default sampling fields (conveyor/sampling/defaults.py)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
 
@@ -235,6 +236,7 @@ class StreamingClient:
 
     model_name: str
     max_model_len: int
+    generation_defaults: dict
 
     def __init__(self, max_waiting: int | None, stats: EngineStats, frontend: FrontEnd):
         self.max_waiting = max_waiting
@@ -363,6 +365,7 @@ class AsyncEngine(StreamingClient):
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
+        self.generation_defaults = engine.generation_defaults
         self._loop = EngineLoop(engine, self)
         self._thread = threading.Thread(target=self._loop.run, name="conveyor-engine", daemon=True)
         self._thread.start()

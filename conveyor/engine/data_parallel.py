@@ -101,7 +101,7 @@ class DataParallelEngine:
         self.replicas = started
         first = started[0]
         self.model_name, self.max_model_len, self.tokenizer = first.model_name, first.max_model_len, first.tokenizer
-        self.dtype = first.dtype
+        self.dtype, self.generation_defaults = first.dtype, first.generation_defaults
         self.router = Router(router, config.block_size, balance_slack=balance_slack)
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}   # request id -> replica, while unfinished

@@ -28,11 +28,12 @@ from conveyor.engine.trace import StepTracer
 from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.dtype import resolve_dtype
-from conveyor.model.loader import LoadedModel, load_model
+from conveyor.model.loader import DEMO_NAME, LoadedModel, default_model_name, load_model, resolve_model_path
 from conveyor.paths import profile_path
 from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.model_runner import ModelRunner
+from conveyor.sampling.defaults import describe as describe_defaults, generation_defaults
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, preemption_costs
 from conveyor.scheduler.scheduler import Scheduler
@@ -57,6 +58,12 @@ class EngineBackend:
             if dtype == torch.float16 and torch.device(config.device).type == "cpu":
                 raise ValueError("dtype float16 runs on CUDA only; on a CPU use bfloat16 or float32 (or auto)")
         self.dtype = str(dtype).removeprefix("torch.")
+        # The model's default sampling parameters, checked before the (slow) load.
+        path = loaded.path if loaded is not None else resolve_model_path(config.model)
+        name = loaded.name if loaded is not None else default_model_name(path)
+        self.generation_defaults, source = generation_defaults(
+            config.generation_config, path, name == DEMO_NAME, config.override_generation_config)
+        logger.info(describe_defaults(self.generation_defaults, source))
         tp = None
         if config.tensor_parallel_size > 1:
             if loaded is not None:
@@ -101,7 +108,7 @@ class EngineBackend:
         """Start the group, tell the other ranks what to load, load rank 0's slice."""
         import os
 
-        from conveyor.model.loader import model_directory, read_config, resolve_model_path
+        from conveyor.model.loader import model_directory, read_config
         from conveyor.parallel.tp import WorkerSetup, start_group
 
         world = config.tensor_parallel_size
@@ -216,7 +223,8 @@ class EngineBackend:
     def input_processor(self) -> InputProcessor:
         """Validation against this engine's model, for a front end (here or in another process)."""
         return InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                              self.model_config.eos_token_ids, self.grammars)
+                              self.model_config.eos_token_ids, self.grammars,
+                              SamplingParams(**self.generation_defaults))
 
 
 class Engine(EngineBackend):

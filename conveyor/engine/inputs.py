@@ -96,8 +96,11 @@ def token_id_list(ids: object) -> list[int]:
 class InputProcessor:
     """Tokenize and validate prompts for one model (its vocabulary, context and end tokens)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: list[int], grammars=None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: list[int], grammars=None,
+                 default_params: SamplingParams | None = None):
         self.tokenizer = tokenizer
+        # a prompt given without SamplingParams gets these: the model's defaults (conveyor/sampling/defaults.py)
+        self.default_params = default_params or SamplingParams()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -109,7 +112,7 @@ class InputProcessor:
         validated=True: the caller already ran ``validate`` on these token ids and parameters."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = (params or SamplingParams()).clone()
+        params = (params or self.default_params).clone()
         params.eos_token_ids = self.eos_token_ids
         text, ids = self._prompt(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:

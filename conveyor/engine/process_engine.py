@@ -72,7 +72,8 @@ def _child_main(config: EngineConfig, commands, results, log_level: int) -> None
     freeze_gc()
     results.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                             "vocab_size": engine.model_config.vocab_size, "stats": engine.stats(),
-                            "dtype": engine.dtype, "eos_token_ids": list(engine.model_config.eos_token_ids)}))
+                            "dtype": engine.dtype, "eos_token_ids": list(engine.model_config.eos_token_ids),
+                            "generation_defaults": engine.generation_defaults}))
 
     def forward() -> None:
         while True:
@@ -122,6 +123,7 @@ class ProcessEngine(StreamingClient):
         info = first[1]
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
+        self.generation_defaults = info["generation_defaults"]
         grammars = grammar_backend(tokenizer, self.vocab_size)   # a bad grammar is a 400 here
         inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"], grammars)
         super().__init__(max_waiting, info["stats"], FrontEnd(inputs, config.seed))

@@ -120,7 +120,8 @@ class EngineReplica:
         return {"model_name": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "vocab_size": inputs.vocab_size, "eos_token_ids": list(inputs.eos_token_ids),
                 "dtype": str(getattr(self.engine, "dtype", "")), "tokenizer": self.config.tokenizer or self.config.model,
-                "chat_template": self.engine.tokenizer.chat_template, "seed": self.config.seed}
+                "chat_template": self.engine.tokenizer.chat_template, "seed": self.config.seed,
+                "generation_defaults": self.engine.generation_defaults}
 
     async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0):
         try:
@@ -200,6 +201,7 @@ class RayEngineClient:
         self._generate = handle.options(stream=True).generate
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.dtype = info.get("dtype")
+        self.generation_defaults = info["generation_defaults"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
         if info.get("chat_template"):
             self.tokenizer.chat_template = info["chat_template"]

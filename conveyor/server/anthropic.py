@@ -282,7 +282,7 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request)
     model = state.check_model(req.model)
     chat = chat_request(req)
     tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, state.tool_call_parser)
-    params = chat_sampling(chat, tools)
+    params = chat_sampling(chat, tools, state.client.generation_defaults)
     prompt = await off_loop_if_big(text_chars(chat.messages), _prompt, state, chat, tools)
     tools = tools if tools is not None and tools.active else None
     room = state.client.max_model_len - len(prompt.token_ids)

@@ -44,7 +44,7 @@ class _Job(Job):
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     model = state.check_model(req.model)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tool_call_parser)
-    params = chat_sampling(req, tools)
+    params = chat_sampling(req, tools, state.client.generation_defaults)
     prompt = await off_loop_if_big(text_chars(req.messages), chat_prompt, state.client, req.messages,
                                    req.add_generation_prompt, tools, req.chat_template, req.continue_final_message,
                                    req.chat_template_kwargs)

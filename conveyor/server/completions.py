@@ -23,7 +23,7 @@ from conveyor.server.state import ServerState
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     model = state.check_model(req.model)
-    params = completion_sampling(req)
+    params = completion_sampling(req, state.client.generation_defaults)
     prompts = await off_loop_if_big(text_chars(req.prompt), completion_prompts, state.client, req.prompt)
     per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
     job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)

@@ -146,13 +146,18 @@ def check_common(req: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_param: str,
-                    logprobs: int | None, logprobs_param: str = "logprobs") -> SamplingParams:
-    """Build SamplingParams; their errors become 400s naming the API parameter (by the error's `param`)."""
+                    logprobs: int | None, logprobs_param: str = "logprobs",
+                    defaults: dict | None = None) -> SamplingParams:
+    """Build SamplingParams; their errors become 400s naming the API parameter (by the error's `param`).
+    A field the request omits takes the model's default (`defaults`: conveyor/sampling/defaults.py), else
+    the API's; a missing max_tokens stays None here (fit_to_context fills it in)."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+    defaults = defaults or {}
 
-    def given(value, default):
-        return default if value is None else value
+    def given(name: str, default):
+        value = getattr(req, name)
+        return defaults.get(name, default) if value is None else value
 
     structured = structured_outputs(req)
     try:
@@ -163,11 +168,11 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
         return SamplingParams(
             best_of=req.best_of, logit_bias=bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
             truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured, n=req.n,
-            temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0),
-            top_k=given(req.top_k, 0), min_p=given(req.min_p, 0.0), seed=req.seed, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, presence_penalty=given(req.presence_penalty, 0.0),
-            frequency_penalty=given(req.frequency_penalty, 0.0),
-            repetition_penalty=given(req.repetition_penalty, 1.0), ignore_eos=req.ignore_eos,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0), min_p=given("min_p", 0.0), seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0), ignore_eos=req.ignore_eos,
             max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output, max_queue_time=req.max_queue_time)
@@ -225,7 +230,7 @@ def structured_outputs(req: SamplingFields) -> StructuredOutputsParams | None:
         raise bad_request(str(e), name) from e
 
 
-def completion_sampling(req: CompletionRequest) -> SamplingParams:
+def completion_sampling(req: CompletionRequest, defaults: dict | None = None) -> SamplingParams:
     """The request's SamplingParams; echo with logprobs (and vLLM's prompt_logprobs) ask for the
     prompt's logprobs, and max_tokens=0 with echo scores the prompt only (one token is generated
     and dropped)."""
@@ -233,11 +238,13 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     max_tokens = req.max_tokens
+    if "max_tokens" not in req.model_fields_set and "max_tokens" in (defaults or {}):
+        max_tokens = None   # the model's default, capped by the context (fit_to_context), not the API's 16
     if max_tokens == 0:
         if not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: scoring the prompt)", "max_tokens")
         max_tokens = 1
-    params = sampling_params(req, max_tokens, "max_tokens", req.logprobs)
+    params = sampling_params(req, max_tokens, "max_tokens", req.logprobs, defaults=defaults)
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
     if wanted:
         params.prompt_logprobs = max(wanted)
@@ -248,7 +255,8 @@ def completion_sampling(req: CompletionRequest) -> SamplingParams:
     return params
 
 
-def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> SamplingParams:
+def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None,
+                  defaults: dict | None = None) -> SamplingParams:
     check_common(req)
     if tools is not None and tools.constraint is not None:
         if structured_outputs(req) is not None:
@@ -262,14 +270,15 @@ def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> 
     else:
         max_tokens, param = req.max_tokens, "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return sampling_params(req, max_tokens, param, logprobs, "top_logprobs")
+    return sampling_params(req, max_tokens, param, logprobs, "top_logprobs", defaults)
 
 
 # ---- context length -------------------------------------------------------------------------
 
 def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
                    max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """Reject prompts (and prompt + max_tokens) longer than the context; fill in a missing max_tokens."""
+    """Reject prompts (and prompt + max_tokens) longer than the context; fill in a missing max_tokens (the
+    model's default max_tokens, if it has one, capped by what the context leaves)."""
     k = params.truncate_prompt_tokens
     if k is not None and len(prompt.token_ids) > k:   # keep the last k tokens (the text no longer matches)
         prompt.text, prompt.token_ids = None, prompt.token_ids[-k:]
@@ -284,7 +293,7 @@ def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams,
         raise invalid_request(e, {"prompt": prompt_param, "structured_outputs": None}) from e
     if params.max_tokens is None:
         params = params.clone()
-        params.max_tokens = limit - n
+        params.max_tokens = min(limit - n, client.generation_defaults.get("max_tokens", limit - n))
     elif n + params.max_tokens > limit:
         raise APIError(400, f"this server's context is {limit} tokens, but {n + params.max_tokens} were "
                             f"requested ({n} in the prompt, {params.max_tokens} for the completion): "

@@ -396,7 +396,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
     try:
         chat = _chat_request(req, messages)
         tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, state.tool_call_parser)
-        params = chat_sampling(chat, tools)
+        params = chat_sampling(chat, tools, state.client.generation_defaults)
         prompt = await off_loop_if_big(text_chars(messages), chat_prompt, state.client, messages, True, tools)
         params = fit_to_context(state.client, prompt, params, "input", "max_output_tokens")
     except APIError as e:
