@@ -51,6 +51,26 @@ class RequestMetrics:
     def e2e(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    @staticmethod
+    def merged(metrics: list[RequestMetrics]) -> RequestMetrics | None:
+        """One timeline for several sequences (n > 1, several prompts): the earliest arrival, scheduling
+        and first token, the latest last token and finish; preemptions of all of them."""
+        if not metrics:
+            return None
+
+        def first(name: str) -> float | None:
+            values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+            return min(values) if values else None
+
+        def last(name: str) -> float | None:
+            values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
+            return max(values) if values else None
+
+        return RequestMetrics(first("arrival_time"), first("first_scheduled_time"), first("first_token_time"),
+                              last("last_token_time"), last("finished_time"),
+                              num_preemptions=sum(m.num_preemptions for m in metrics),
+                              preemption_times=sorted(t for m in metrics for t in m.preemption_times))
+
 
 @dataclass(slots=True, eq=False)
 class Request:

@@ -11,7 +11,6 @@ cached there (no dense copy of the weights on disk).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from conveyor.model.config import ModelConfig, UnsupportedModelError
-from conveyor.paths import cache_dir
+from conveyor.paths import GGUF_CONVERSION_VERSION, cache_dir, gguf_file_key
 
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
@@ -39,17 +38,6 @@ _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_la
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-_CONVERSION_VERSION = 3   # bump when the cached layout changes
-
-
-def _file_key(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{_CONVERSION_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
 
 def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
@@ -172,7 +160,7 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
     from conveyor.tokenizer import Tokenizer
 
     path = Path(path)
-    target = cache_dir() / f"{path.stem}-{_file_key(path)}"
+    target = cache_dir() / f"{path.stem}-{gguf_file_key(path)}"
     marker = target / "conversion.json"   # written last: its presence means the cache is complete
     meta_marker = target / "metadata.json"   # config and tokenizer only
     if marker.exists() or (not weights and meta_marker.exists()):
@@ -191,7 +179,7 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
     (target / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
     if "tokenizer.ggml.model" in reader.fields:
         Tokenizer.from_gguf(reader).save(target)
-    done = {"source": str(path.resolve()), "version": _CONVERSION_VERSION}
+    done = {"source": str(path.resolve()), "version": GGUF_CONVERSION_VERSION}
     (marker if weights else meta_marker).write_text(json.dumps(done))
     return target
 

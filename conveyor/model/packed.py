@@ -36,7 +36,7 @@ from torch import nn
 
 from conveyor.model.probe_cache import _file_lock
 from conveyor.model.quant import QuantTensor
-from conveyor.paths import cache_dir
+from conveyor.paths import cache_dir, gguf_file_key
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,10 @@ class PackedWeights:
         mapped if it exists and reads back, else an empty one to fill. None when disabled."""
         if not enabled():
             return None
-        from conveyor.model.gguf_loader import _file_key
 
         layout = hashlib.sha256(_LAYOUT_SOURCE.read_bytes()).hexdigest()[:8]
         digest = hashlib.sha256(f"{VERSION}:{','.join(sorted(native))}:{int8}:{layout}".encode()).hexdigest()[:12]
-        packed = cls(cache_dir() / "packed" / f"{gguf.stem}-{_file_key(gguf)}-{digest}.safetensors")
+        packed = cls(cache_dir() / "packed" / f"{gguf.stem}-{gguf_file_key(gguf)}-{digest}.safetensors")
         if packed._try_map():
             return packed
         # A miss: hold the file's lock until it is written (save_and_map), so that replicas starting

@@ -27,9 +27,10 @@ from conveyor.engine.outputs import RequestOutput
 from conveyor.request import RequestMetrics
 from conveyor.sampling.params import SamplingParams
 
+from conveyor.server.tracing import RequestTracer   # imports OpenTelemetry only when a tracer is made
+
 if TYPE_CHECKING:
     from conveyor.engine.async_engine import RequestStream
-    from conveyor.server.tracing import RequestTracer
 
 logger = logging.getLogger("conveyor.requests")
 
@@ -122,7 +123,7 @@ class RequestObserver:
 
     def log_line(self, r: _Record) -> dict[str, Any]:
         outs = [e.output for e in r.engine.values() if e.output is not None]
-        m = merged_metrics([x for o in outs for x in o.metrics])
+        m = RequestMetrics.merged([x for o in outs for x in o.metrics])
         line: dict[str, Any] = {
             "request_id": r.request_id, "endpoint": r.endpoint, "model": self.model, "status": status_of(r),
             "http_status": r.http_status, "priority": r.priority,
@@ -206,26 +207,6 @@ def _error_code(body: bytearray | None) -> str | None:
         return None
 
 
-def merged_metrics(metrics: list[RequestMetrics]) -> RequestMetrics | None:
-    """One timeline for several sequences (n > 1, several prompts): the earliest arrival, scheduling
-    and first token, the latest last token and finish; preemptions of all of them."""
-    if not metrics:
-        return None
-
-    def first(name: str) -> float | None:
-        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
-        return min(values) if values else None
-
-    def last(name: str) -> float | None:
-        values = [getattr(m, name) for m in metrics if getattr(m, name) is not None]
-        return max(values) if values else None
-
-    return RequestMetrics(first("arrival_time"), first("first_scheduled_time"), first("first_token_time"),
-                          last("last_token_time"), last("finished_time"),
-                          num_preemptions=sum(m.num_preemptions for m in metrics),
-                          preemption_times=sorted(t for m in metrics for t in m.preemption_times))
-
-
 def _seconds(m: RequestMetrics | None, name: str) -> float | None:
     value = None if m is None or m.arrival_time is None else getattr(m, name)
     return None if value is None else round(value, 6)
@@ -242,8 +223,6 @@ def log_to_file(path: str) -> None:
 
 def install(app: Any, client: Any, model: str, log_requests: bool, log_text: bool, tracer_provider: Any) -> None:
     """build_app's hook: the middleware and the engine's finished listener."""
-    from conveyor.server.tracing import RequestTracer
-
     tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
     observer = RequestObserver(model, log_requests, log_text, tracer)
     client.add_finished_listener(observer.finished)

@@ -61,9 +61,7 @@ class RequestTracer:
 
     def request_span(self, request_id: str, out: RequestOutput, params: SamplingParams, model: str,
                      priority: int, trace_headers: dict[str, str] | None) -> None:
-        from conveyor.server.observe import merged_metrics
-
-        m = merged_metrics(out.metrics)
+        m = RequestMetrics.merged(out.metrics)
         if m is None or m.arrival_time is None:
             return   # the engine never saw it (it died first): no timeline to show
         epoch = _EpochClock()
