@@ -100,10 +100,13 @@ class RequestStream:
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """`new` with its deltas extended back over `old`'s (two consecutive outputs of one request)."""
+    """`new` with its deltas extended back over `old`'s (two consecutive outputs of one request, both
+    the consumer's own)."""
     for a, b in zip(old.outputs, new.outputs):
         b.delta_text = a.delta_text + b.delta_text
         b.delta_token_ids = a.delta_token_ids + b.delta_token_ids
+        if b.delta_logprobs is not None:
+            b.delta_logprobs = (a.delta_logprobs or ()) + b.delta_logprobs
     return new
 
 

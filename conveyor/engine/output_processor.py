@@ -227,28 +227,26 @@ class OutputProcessor:
         completions = []
         seqs = group.seqs
         p = group.params
-        if p.num_seqs > p.n and group.finished:   # best_of: the n with the highest cumulative logprob
+        done = group.finished
+        if p.num_seqs > p.n and done:   # best_of: the n with the highest cumulative logprob
             seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob())[:p.n]
-        # A running request's output shares the growing lists (O(new tokens) per step, not O(length));
-        # the finished one gets its own copies.
-        snapshot = list if group.finished else _shared
+        # Every list handed out is a copy: the deltas (O(new tokens) per step) always, the whole
+        # sequence's once, when it finishes. Nothing the stream reads is appended to later.
         for index, s in enumerate(seqs):
             shown = s.visible_len()
-            lps = cumulative = None   # best_of without logprobs: computed only to rank the samples
+            lps = new_lps = cumulative = None   # best_of without logprobs: computed only to rank the samples
             if p.logprobs is not None:
-                lps, cumulative = snapshot(s.logprobs), s.cumulative_logprob()
+                new_lps, cumulative = tuple(s.logprobs[s.sent_tokens:]), s.cumulative_logprob()
+                lps = list(s.logprobs) if done else None
             completions.append(CompletionOutput(
-                index if p.num_seqs > p.n else s.index, s.text[:shown], snapshot(s.token_ids), lps, s.finish_reason,
-                s.stop_reason, s.text[s.sent_text:shown], s.token_ids[s.sent_tokens:], cumulative))
+                index if p.num_seqs > p.n else s.index, s.text[:shown], list(s.token_ids) if done else None, lps,
+                s.finish_reason, s.stop_reason, s.text[s.sent_text:shown], tuple(s.token_ids[s.sent_tokens:]),
+                cumulative, new_lps))
             s.sent_text, s.sent_tokens = shown, len(s.token_ids)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished,
                              [s.metrics for s in group.seqs], prompt_logprobs=group.prompt_logprobs,
                              embedding=group.embedding,
                              num_cached_tokens=max(s.metrics.num_cached_tokens for s in group.seqs))
-
-
-def _shared(items: list) -> list:
-    return items
 
 
 def logprob_objects(entry: LogprobEntry | None, text_of) -> dict[int, Logprob] | None:

@@ -27,19 +27,25 @@ class Logprob(float):
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sequence's output. While it runs, ``token_ids`` and ``logprobs`` are the sequence's own
-    growing lists (streams read the deltas; copy them to keep a snapshot); the finished output has
-    its own copies."""
+    """One sequence's output, owned by whoever receives it: nothing in it is changed by the engine
+    afterwards, so a stream may read it on another thread while the next step runs.
+
+    ``delta_text``, ``delta_token_ids`` and ``delta_logprobs`` are what this output adds to the previous
+    output of its request (streams read these; ``delta_logprobs[i]`` is ``delta_token_ids[i]``'s entry).
+    ``text`` is the text so far. ``token_ids`` and ``logprobs`` are the whole sequence's: on the finished
+    output (its own lists); a running output has ``token_ids`` None (copying them every step would cost
+    O(length) per step): accumulate the deltas to follow them."""
 
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int] | None
     logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None      # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     delta_text: str = ""                  # new since the previous output of this request
-    delta_token_ids: list[int] = field(default_factory=list)
+    delta_token_ids: tuple[int, ...] = ()
     cumulative_logprob: float | None = None   # with logprobs: the sum of the sampled tokens' logprobs
+    delta_logprobs: tuple[dict[int, float] | None, ...] | None = None   # with logprobs: the new tokens' entries
 
     @property
     def finished(self) -> bool:

@@ -73,7 +73,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     choices = []
     for c in final.outputs:
         message, reason = _message(c, job)
-        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(state, job, c, 0),
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=_logprobs(state, job, c.token_ids, c.logprobs),
                                   finish_reason=reason))
     body = ChatCompletionResponse(id=job.id, created=job.created, model=model, choices=choices,
                                   usage=usage_of([final]))
@@ -95,11 +95,10 @@ def _call_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def _logprobs(state: ServerState, job: _Job, c: CompletionOutput, start: int) -> ChatChoiceLogprobs | None:
+def _logprobs(state: ServerState, job: _Job, token_ids, entries) -> ChatChoiceLogprobs | None:
     if job.num_logprobs is None:
         return None
-    return ChatChoiceLogprobs(content=chat_logprobs(state.texts, c.token_ids[start:], (c.logprobs or [])[start:],
-                                                    job.num_logprobs))
+    return ChatChoiceLogprobs(content=chat_logprobs(state.texts, token_ids, entries or [], job.num_logprobs))
 
 
 async def _stream(state: ServerState, job: _Job, streams: list, include_usage: bool) -> AsyncIterator[str]:
@@ -144,9 +143,8 @@ def _choice_deltas(state: ServerState, job: _Job, c: CompletionOutput,
         return []
     if not deltas:
         deltas = [DeltaMessage() if c.finished else DeltaMessage(content="")]
-    start = len(c.token_ids) - len(c.delta_token_ids)
     out = [ChatStreamChoice(index=c.index, delta=d) for d in deltas]
-    out[0].logprobs = _logprobs(state, job, c, start)
+    out[0].logprobs = _logprobs(state, job, c.delta_token_ids, c.delta_logprobs)
     if c.finished:
         out[-1].finish_reason = _call_reason(finish_reason(c.finish_reason), bool(reader and reader.calls))
     return out

@@ -101,7 +101,8 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
                 if score_only:   # the one token generated to run the prompt is not shown, nor counted
                     if not c.finished:
                         continue
-                    c.text, c.token_ids, c.delta_text, c.delta_token_ids = "", [], "", []
+                    c.text, c.token_ids, c.delta_text, c.delta_token_ids = "", [], "", ()
+                    c.logprobs, c.delta_logprobs = ([], ()) if c.logprobs is not None else (None, None)
                 if index in done or not ((first and (echo or prompt_logprobs is not None)) or c.delta_text or c.finished
                                          or (job.num_logprobs is not None and c.delta_token_ids)):
                     continue
@@ -116,8 +117,7 @@ async def _stream(state: ServerState, job: Job, streams: list, include_usage: bo
                         lp, offsets[index] = completion_logprobs(state.texts, out.prompt_token_ids,
                                                                  out.prompt_logprobs or [], job.num_logprobs)
                 if job.num_logprobs is not None:
-                    start = len(c.token_ids) - len(c.delta_token_ids)
-                    more, offsets[index] = completion_logprobs(state.texts, c.delta_token_ids, c.logprobs[start:],
+                    more, offsets[index] = completion_logprobs(state.texts, c.delta_token_ids, c.delta_logprobs or (),
                                                                job.num_logprobs, offsets.get(index, 0))
                     lp = more if lp is None else _joined(lp, more)
                 choice = CompletionChoice(index=index, text=text, logprobs=lp,
