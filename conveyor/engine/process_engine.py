@@ -29,6 +29,7 @@ from conveyor.engine.frontend import Finish, FrontEnd
 from conveyor.engine.inputs import InputProcessor, grammar_backend
 from conveyor.engine.stats import EngineStats
 from conveyor.model.loader import load_tokenizer
+from conveyor.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class ProcessEngine(StreamingClient):
         self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
         self.generation_defaults = info["generation_defaults"]
         grammars = grammar_backend(tokenizer, self.vocab_size)   # a bad grammar is a 400 here
-        inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"], grammars)
+        inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"], grammars,
+                                SamplingParams(**self.generation_defaults))
         super().__init__(max_waiting, info["stats"], FrontEnd(inputs, config.seed))
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)

@@ -207,7 +207,7 @@ class RayEngineClient:
             self.tokenizer.chat_template = info["chat_template"]
         grammars = grammar_backend(self.tokenizer, info["vocab_size"])
         self.inputs = InputProcessor(self.tokenizer, info["vocab_size"], self.max_model_len,
-                                     info["eos_token_ids"], grammars)
+                                     info["eos_token_ids"], grammars, SamplingParams(**self.generation_defaults))
         self._tasks: dict[str, asyncio.Task] = {}
         self._streams: dict[str, RequestStream] = {}
         self._listeners: list[Callable[[RequestOutput], None]] = []

@@ -40,6 +40,9 @@ def offline(demo_model):
 def test_streams_match_the_in_process_engine_and_shutdown_is_clean(offline):
     engine = ProcessEngine(CONFIG, max_waiting=4)
     assert engine.is_healthy and engine.model_name == "SmolLM2-135M-Instruct" and engine.max_model_len == 1024
+    # the model's default sampling parameters come across from the engine process (the demo's: greedy)
+    assert engine.generation_defaults == {"temperature": 0.0}
+    assert engine.frontend.inputs.default_params == SamplingParams(temperature=0.0)
 
     async def main():
         first = await drain(engine.add_request("The capital of France is", GREEDY, "a"))
