@@ -38,7 +38,7 @@ def serve(tmp_path, shutdown_timeout: float) -> Iterator[Served]:
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     served = Served(proc, f"http://127.0.0.1:{port}")
     try:
-        wait_healthy(proc, served.url, path, 120)
+        wait_healthy(proc, served.url, path, 600)   # a start, not a speed: generous on a busy machine
         yield served
     finally:
         if proc.poll() is None:

@@ -44,7 +44,7 @@ def test_tensor_parallel_under_torchrun(tmp_path, demo_model):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", log, 180)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, 600)   # generous: a busy machine
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text
