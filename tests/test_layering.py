@@ -33,7 +33,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "paths": (),
     "tokenizer": (),
     "routing": (),
-    "sampling": ("errors",),
+    "sampling": ("errors", "paths"),   # paths: the GGUF sampling-metadata cache (sampling/defaults.py)
     "request": ("sampling",),
     "kv": ("request", "routing"),
     "scheduler": ("config_fields", "kv", "request", "sampling"),
