@@ -8,7 +8,7 @@ from array import array
 
 import pytest
 
-import conveyor.kv.manager as manager
+import conveyor.kv.block_keys as block_keys
 from conveyor.kv.manager import KVCacheManager, block_content, chain_hash
 from conveyor.request import Request
 from conveyor.sampling.params import SamplingParams
@@ -58,7 +58,7 @@ def test_salt_goes_into_the_first_block_and_every_key_chains_from_it():
 # ---- collisions --------------------------------------------------------------------------------
 
 def test_forced_collision_on_every_key_shares_nothing(monkeypatch):
-    monkeypatch.setattr(manager, "chain_hash", lambda parent, content: b"\x00" * 32)
+    monkeypatch.setattr(block_keys, "chain_hash", lambda parent, content: b"\x00" * 32)
     kv = KVCacheManager(16, 4)
     a = new_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     fill(kv, a)
@@ -84,7 +84,7 @@ def test_forced_collision_on_every_key_shares_nothing(monkeypatch):
 def test_same_tokens_after_another_prefix_do_not_match(monkeypatch):
     """A key that ignores the parent (a forced collision of (x, y) with (x', y)): the block's own
     tokens match, but it was computed after x, not x'; the parent check makes it a miss."""
-    monkeypatch.setattr(manager, "chain_hash", lambda parent, content: hashlib.sha256(content).digest())
+    monkeypatch.setattr(block_keys, "chain_hash", lambda parent, content: hashlib.sha256(content).digest())
     kv = KVCacheManager(16, 2)
     a = new_request("a", [1, 2, 3, 4, 9])     # x = [1, 2], y = [3, 4]
     c = new_request("c", [5, 6, 7, 8, 9])     # x' = [5, 6]
