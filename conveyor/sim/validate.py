@@ -26,6 +26,7 @@ No torch.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -34,6 +35,9 @@ import numpy as np
 
 from conveyor.engine.trace import StepTracer
 from conveyor.scheduler.costs import AfterPrefill, StepCostModel, StepShape, flat_hat_weights
+from conveyor.sim.harness import run_on_engine
+from conveyor.sim.simulator import engine_knobs, saturation_rate
+from conveyor.sim.workload import WorkloadSpec
 
 RUN = 16        # held out: every other run of this many consecutive steps
 # Knots the trace barely touches: each factor is pulled towards its neighbours' (SMOOTH, in steps'
@@ -158,6 +162,34 @@ def buckets_within(buckets: list[dict], tolerance: float = 0.10, min_steps: int 
     """Issue 20's step-cost target on a `step_errors` report's buckets: every bucket of at least
     `min_steps` steps (fewer are a handful of steps, often the first of a run) within `tolerance`."""
     return all(abs(b["error"]) <= tolerance for b in buckets if b["steps"] >= min_steps)
+
+
+LATENCY_METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput")
+
+
+def targets_met(rel: dict) -> tuple[bool, bool]:
+    """Issue 20's targets on one cell's relative errors (simulated / real - 1, by metric): (TTFT and
+    TPOT p50 within 15%, every target: the p90s within 25% and throughput within 5% too)."""
+    p50 = abs(rel["ttft_p50"]) <= 0.15 and abs(rel["tpot_p50"]) <= 0.15
+    return p50, p50 and abs(rel["ttft_p90"]) <= 0.25 and abs(rel["tpot_p90"]) <= 0.25 and abs(rel["throughput"]) <= 0.05
+
+
+def repeat_floor(repeats: Sequence[dict], cells: int = 4) -> dict:
+    """The floor under a simulator's error: the real engine run twice on the same requests, each
+    repeat the second run's metrics relative to the first's. Per metric the median and RMS difference;
+    the repeats missing the p50 targets or any target as measured, and as an exact simulator would
+    (one that predicts the runs' mean is off from one run by the difference / sqrt 2); `run_passes`:
+    the chance that `cells` such cells all meet every target, taking them as independent."""
+    out: dict = {"repeats": len(repeats)}
+    for m in LATENCY_METRICS:
+        d = [r[m] for r in repeats]
+        out[m] = {"median_abs": statistics.median(map(abs, d)), "rms": math.sqrt(statistics.fmean(x * x for x in d))}
+    for label, scale in (("measured", 1.0), ("exact_simulator", 1 / math.sqrt(2))):
+        verdicts = [targets_met({m: r[m] * scale for m in LATENCY_METRICS}) for r in repeats]
+        missed = sum(not every for _, every in verdicts)
+        out[label] = {"missed_p50": sum(not p50 for p50, _ in verdicts), "missed_any": missed,
+                      "run_passes": (1 - missed / len(repeats)) ** cells}
+    return out
 
 
 def _traces(trace: StepTracer | Sequence[StepTracer]) -> list[StepTracer]:
@@ -298,10 +330,6 @@ def sustained_calibration(engine, cost: StepCostModel, requests: int = 60, load:
     prompts 32-256 and outputs 16-128 tokens, Poisson at `load` times the rate `cost` predicts the
     engine saturates at) and the correction calibrated on its step trace (``conveyor profile
     --sustained``)."""
-    from conveyor.sim.harness import run_on_engine
-    from conveyor.sim.simulator import engine_knobs, saturation_rate
-    from conveyor.sim.workload import WorkloadSpec
-
     base = dict(num_requests=requests, prompt_len="32:256", output_len="16:128")
     rate = load * saturation_rate(WorkloadSpec(**base, seed=seed + 1).generate(), cost, **engine_knobs(engine))
     _, trace = run_on_engine(engine, WorkloadSpec(**base, rate=rate, seed=seed).generate(), seed=seed)

@@ -405,7 +405,7 @@ def test_the_fused_loop_runs_int8_steps_of_up_to_15_tokens_with_the_python_loops
 @pytest.mark.parametrize("qtype", [pytest.param("Q4_0", marks=pytest.mark.heavy),
                                    pytest.param("Q4_K_M", marks=pytest.mark.heavy), "Q5_K_M", "Q3_K_M", "Q2_K_M"])
 def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypatch, qtype):
-    """benchmarks/synthetic_gguf.py's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
+    """conveyor.bench.synthetic_gguf's files (random Q4_0 blocks, or Q4_K / Q5_K with Q6_K as
     llama.cpp mixes them in a Q4_K_M / Q5_K_M file, or Q3_K with Q4_K and Q6_K, or Q2_K with Q3_K and
     Q6_K, at a model's shapes,
     the demo tokenizer) load and generate, holding their matmul weights in about the file's bytes
@@ -417,22 +417,16 @@ def test_a_synthetic_quantized_file_loads_and_holds_its_bytes(tmp_path, monkeypa
     k_mix = qtype.endswith("_K_M")
     if k_mix and not int8_activations_native():
         pytest.skip("K-quants are computed as stored only with int8 activations (AVX512-VNNI)")
-    import importlib.util
-    from pathlib import Path
-
     from conveyor import LLM, SamplingParams
+    from conveyor.bench.synthetic_gguf import write
     from conveyor.model.loader import ModelNotFoundError, demo_model_path
 
     try:
-        demo_model_path()
+        demo = demo_model_path()
     except ModelNotFoundError as e:
         pytest.skip(str(e))
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
-    spec = importlib.util.spec_from_file_location(
-        "synthetic_gguf", Path(__file__).parents[2] / "benchmarks" / "synthetic_gguf.py")
-    synthetic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synthetic)
-    path = synthetic.write("tiny", qtype, tmp_path)
+    path = write("tiny", qtype, tmp_path, demo)
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     with LLM(str(path), dtype="float32", num_kv_blocks=32, cost_model="none") as llm:
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -6,12 +6,10 @@ the right answer is known exactly."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +18,9 @@ from conveyor.engine.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.sim.cost import AfterPrefill, StepCostModel, StepShape
 from conveyor.sim.simulator import SimRequest, simulate
-from conveyor.sim.validate import (buckets_within, calibrate, gaps_between_steps, predicted, runs_step_errors,
-                                   speed_timeline, step_errors, token_buckets, traced_steps, validate)
+from conveyor.sim.validate import (buckets_within, calibrate, gaps_between_steps, predicted, repeat_floor,
+                                   runs_step_errors, speed_timeline, step_errors, token_buckets, traced_steps,
+                                   validate)
 from conveyor.sim.workload import WorkloadSpec
 
 KNOTS = [1, 2, 4, 8, 9, 16, 64, 256, 1024]
@@ -486,13 +485,11 @@ def test_a_profile_measured_with_n_threads_is_the_one_an_engine_of_n_threads_tak
     assert main(["profile"]) == 0 and f"saved {plain}" in capsys.readouterr().out
 
 
-def test_the_repeat_floor_judges_an_exact_simulator_by_the_spread_of_two_real_runs(monkeypatch):
-    """benchmarks/repeat_floor.py: a real repeat 20% off on TPOT p50 misses the 15% target, but an
+def test_the_repeat_floor_judges_an_exact_simulator_by_the_spread_of_two_real_runs():
+    """repeat_floor: a real repeat 20% off on TPOT p50 misses the 15% target, but an
     exact simulator (off from one run by the difference / sqrt 2, 14%) would not; 30% off it would."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
-    repeat_floor = importlib.import_module("repeat_floor")
     zero = dict.fromkeys(("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "throughput"), 0.0)
-    report = repeat_floor.judged([{**zero, "tpot_p50": 0.20}, {**zero, "tpot_p50": -0.30}, zero, zero])
+    report = repeat_floor([{**zero, "tpot_p50": 0.20}, {**zero, "tpot_p50": -0.30}, zero, zero])
     assert report["measured"] == {"missed_p50": 2, "missed_any": 2, "run_passes": pytest.approx(0.5 ** 4)}
     assert report["exact_simulator"]["missed_any"] == 1
     assert report["exact_simulator"]["run_passes"] == pytest.approx(0.75 ** 4)
