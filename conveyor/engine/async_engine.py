@@ -24,11 +24,12 @@ from typing import Callable, Protocol
 from conveyor.config import EngineConfig
 from conveyor.engine.core import EngineDeadError, SeqUpdate
 from conveyor.engine.engine import Engine, EngineBackend
-from conveyor.engine.frontend import EngineRequest, Finish, FrontEnd
+from conveyor.engine.frontend import FrontEnd
 from conveyor.engine.inputs import ProcessedInput
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
+from conveyor.engine.wire import Command, EngineRequest, Finish, Shutdown
 from conveyor.sampling.params import SamplingParams
 from conveyor.tokenizer import Tokenizer
 
@@ -110,18 +111,6 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     return new
 
 
-# ---- commands: plain data, so that they can cross a process boundary ----------------------------
-
-@dataclass(slots=True)
-class Add:
-    request: EngineRequest
-
-
-@dataclass(slots=True)
-class Stop:
-    deadline: float   # time.monotonic() after which unfinished requests are aborted
-
-
 class LoopSink(Protocol):
     """Where an EngineLoop's results go (a client in this process, or a pipe to one)."""
 
@@ -140,16 +129,16 @@ class EngineLoop:
         self._commands: deque = deque()
         self._step_time_total = 0.0
 
-    def post(self, command: Add | Finish | Stop) -> None:
+    def post(self, command: Command) -> None:
         with self._cv:
             self._commands.append(command)
             self._cv.notify()
 
     def run(self) -> None:
-        """Step until a Stop command's requests are done (or its deadline passed); never raises."""
+        """Step until a Shutdown's requests are done (or its deadline passed); never raises."""
         stale = False      # counts in the stats lag until a schedule() runs after the last change
         stalled = False    # requests exist but the last step scheduled nothing
-        stop: Stop | None = None
+        stop: Shutdown | None = None
         try:
             while True:
                 commands, stop = self._wait_for_work(stale, stalled, stop)
@@ -177,7 +166,7 @@ class EngineLoop:
             except Exception:   # noqa: BLE001
                 logger.exception("could not stop the tensor-parallel ranks")
 
-    def _wait_for_work(self, stale: bool, stalled: bool, stop: Stop | None) -> tuple[list, Stop | None]:
+    def _wait_for_work(self, stale: bool, stalled: bool, stop: Shutdown | None) -> tuple[list, Shutdown | None]:
         with self._cv:
             idle = not self.engine.has_unfinished() and not stale
             if not self._commands and stop is None and (idle or stalled):
@@ -187,7 +176,7 @@ class EngineLoop:
             commands = list(self._commands)
             self._commands.clear()
         for c in commands:
-            if isinstance(c, Stop) and (stop is None or c.deadline < stop.deadline):
+            if isinstance(c, Shutdown) and (stop is None or c.deadline < stop.deadline):
                 stop = c
         return commands, stop
 
@@ -196,19 +185,19 @@ class EngineLoop:
         commands produced (errors of the requests the core refused, the callers' aborts)."""
         added, rejected = 0, []
         for c in commands:
-            if isinstance(c, Add):
-                added += len(c.request.seq_ids)
+            if isinstance(c, EngineRequest):
+                added += len(c.seq_ids)
                 try:
-                    self.engine.add(c.request)
+                    self.engine.add(c)
                 except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    rejected += [SeqUpdate(sid, None, None, "error", None, str(e), None) for sid in c.request.seq_ids]
+                    rejected += [SeqUpdate(sid, None, None, "error", None, str(e), None) for sid in c.seq_ids]
             elif isinstance(c, Finish):
-                rejected += self.engine.stop(c)
+                rejected += self.engine.finish(c)
         return added, rejected
 
     def _abort_all(self) -> list[SeqUpdate]:
         """Shutdown: abort every live sequence; their deltas say so."""
-        return self.engine.stop(Finish(list(self.engine.core.scheduler.requests), report=True))
+        return self.engine.finish(Finish(seq_ids=list(self.engine.core.scheduler.requests), report=True))
 
     def _step(self, added: int, extra: list[SeqUpdate]) -> bool:
         """One engine step; hands over its deltas (after `extra`) and the stats. Returns True if it stalled."""
@@ -271,9 +260,13 @@ class StreamingClient:
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise Overloaded(f"{waiting} sequences are already waiting (limit {self.max_waiting})")
             req = self.frontend.register(prompt, None, request_id, priority, time.monotonic())
+            try:
+                self._post(req)   # under the lock: an abort or a Shutdown from another thread comes after it
+            except BaseException:   # it could not be sent (InvalidRequestError: it cannot cross to the engine)
+                self.frontend.forget(request_id)
+                raise
             s.pending_seqs += len(req.seq_ids)
             s.streams[request_id] = stream
-            self._post(Add(req))   # under the lock: an abort or a Stop from another thread comes after it
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -282,7 +275,7 @@ class StreamingClient:
         with self._lock:
             seq_ids = self.frontend.live_seq_ids(request_id)
         if seq_ids:
-            self._post(Finish(seq_ids, report=True))
+            self._post(Finish(seq_ids=seq_ids, report=True))
 
     def stats(self) -> EngineStats:
         """The engine's stats as of the end of the latest step (exact once idle)."""
@@ -301,9 +294,11 @@ class StreamingClient:
     def _stop(self, timeout: float) -> None:
         with self._lock:
             self._accepting = False
-        self._post(Stop(time.monotonic() + timeout))
+        self._post(Shutdown(deadline=time.monotonic() + timeout))
 
-    def _post(self, command: Add | Finish | Stop) -> None:
+    def _post(self, command: Command) -> None:
+        """Send a command to the loop. Raises only if this command can never be sent (the request is
+        then refused); a loop that is gone is reported through failed()."""
         raise NotImplementedError
 
     # ---- results (LoopSink; called from the loop's side) ---------------------------------------
@@ -377,7 +372,7 @@ class AsyncEngine(StreamingClient):
     def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> AsyncEngine:
         return cls(Engine(config), max_waiting)
 
-    def _post(self, command: Add | Finish | Stop) -> None:
+    def _post(self, command: Command) -> None:
         self._loop.post(command)
 
     @property

@@ -56,16 +56,16 @@ class Executor(Protocol):
 @dataclass(slots=True)
 class SeqUpdate:
     """What one step changed for one sequence (a delta, keyed by its id): a new token, a finish, or
-    both; or an error. Nothing sent before is sent again."""
+    both; or an error. Nothing sent before is sent again. It crosses the process pipe (wire.py)."""
 
-    request_id: str
+    seq_id: str                        # the sequence (the core's Request.request_id); not the caller's request id
     token_id: int | None
     logprobs: LogprobEntry | None      # the new token's (params.logprobs)
     finish_reason: str | None          # "stop", "length" or "error" once finished
     stop_reason: int | str | None
     error: str | None
     metrics: RequestMetrics | None     # with the first token and the finish only (not resent every step)
-    prompt_logprobs: list | None = None   # with the first token: the prompt's logprobs (first entry None)
+    prompt_logprobs: list[LogprobEntry | None] | None = None   # with the first token: the prompt's (first entry None)
     embedding: list[float] | None = None  # an embedding request's result (it finishes with it)
     error_code: str | None = None         # with error: what kind ("queue_timeout"; None: the step failed)
     token_time: float | None = None       # with token_id: when it was sampled (the core's clock)

@@ -43,7 +43,9 @@ from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.process_engine import ProcessEngine
 from conveyor.engine.stats import EngineStats
+from conveyor.kv.events import binds, offset_endpoint
 from conveyor.routing import POLICIES, NoReplicaError, replica_load
 from conveyor.sampling.params import SamplingParams
 
@@ -77,8 +79,6 @@ class DataParallelEngine:
 
     def __init__(self, config: EngineConfig, replicas: int, router: str = "prefix",
                  max_waiting: int | None = None, balance_slack: int = 8):
-        from conveyor.engine.process_engine import ProcessEngine
-
         if replicas < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {replicas}")
         threads = config.torch_threads or max(1, (os.cpu_count() or 1) // (replicas * config.tensor_parallel_size))
@@ -232,14 +232,13 @@ def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig
     (tcp wildcards through the loopback); without an endpoint, each replica publishes on an ipc
     socket in a private temporary directory."""
     try:
+        # lazy: optional dependency (pyzmq, msgpack)
         import msgpack  # noqa: F401
         import zmq  # noqa: F401
     except ImportError:
         logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
                     "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
         return config, None, None
-    from conveyor.kv.events import binds, offset_endpoint
-
     endpoint, folder = config.kv_events_endpoint, None
     if endpoint is None:
         folder = tempfile.mkdtemp(prefix="conveyor-kv-")
@@ -260,7 +259,7 @@ class KVEventListener:
     every batch to `feed(replica, events, lost)`, `lost` when its sequence number skipped some."""
 
     def __init__(self, endpoints: list[str], topic: str, feed: Callable[[int, list, bool], None]):
-        import zmq
+        import zmq   # lazy: optional dependency (pyzmq)
 
         self._ctx = zmq.Context()
         self._socks = []
@@ -278,6 +277,7 @@ class KVEventListener:
         self._thread.start()
 
     def _run(self) -> None:
+        # lazy: optional dependency (pyzmq, msgpack)
         import msgpack
         import zmq
 

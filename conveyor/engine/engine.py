@@ -11,6 +11,7 @@ keeps the front end in the server's process and runs an ``EngineBackend`` in a c
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -19,16 +20,21 @@ import torch
 
 from conveyor.config import EngineConfig
 from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate, metrics_snapshot
-from conveyor.engine.frontend import EngineRequest, FrontEnd, Finish
+from conveyor.engine.frontend import FrontEnd
 from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedInput,  # noqa: F401 - re-exported
                                     grammar_backend)
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
 from conveyor.engine.trace import StepTracer
+from conveyor.engine.wire import EngineRequest, Finish
 from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.dtype import resolve_dtype
-from conveyor.model.loader import DEMO_NAME, LoadedModel, default_model_name, load_model, resolve_model_path
+from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
+from conveyor.model.cpu_kernels import kernels_digest
+from conveyor.model.loader import (DEMO_NAME, LoadedModel, default_model_name, load_model, model_directory,
+                                   read_config, resolve_model_path)
+from conveyor.parallel.tp import TPExecutor, WorkerSetup, start_group
 from conveyor.paths import profile_path
 from conveyor.request import Request
 from conveyor.runner.kv_cache import KVCacheTensors
@@ -106,11 +112,6 @@ class EngineBackend:
     @staticmethod
     def _start_tensor_parallel(config: EngineConfig, dtype: torch.dtype):
         """Start the group, tell the other ranks what to load, load rank 0's slice."""
-        import os
-
-        from conveyor.model.loader import model_directory, read_config
-        from conveyor.parallel.tp import WorkerSetup, start_group
-
         world = config.tensor_parallel_size
         # A GGUF is converted here, once, before the ranks load it.
         cfg = read_config(model_directory(resolve_model_path(config.model)))
@@ -132,8 +133,6 @@ class EngineBackend:
 
     @staticmethod
     def _tensor_parallel_executor(runner: ModelRunner, group):
-        from conveyor.parallel.tp import TPExecutor
-
         return TPExecutor(runner, group)
 
     def close(self) -> None:
@@ -185,7 +184,7 @@ class EngineBackend:
             self.core.abort_requests(added)
             raise
 
-    def stop(self, command: Finish) -> list[SeqUpdate]:
+    def finish(self, command: Finish) -> list[SeqUpdate]:
         """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted;
         for a caller's abort (``report``), the deltas that say so, with the final metrics."""
         ended = self.core.abort_requests(command.seq_ids, command.status, command.reason)
@@ -269,9 +268,9 @@ class Engine(EngineBackend):
     def step(self) -> list[RequestOutput]:
         """One iteration; an output for every request that progressed, finished or failed."""
         t0 = time.perf_counter()
-        outputs, stops = self.frontend.process(self.run_step())
-        for command in stops:
-            self.stop(command)
+        outputs, finishes = self.frontend.process(self.run_step())
+        for command in finishes:
+            self.finish(command)
         self.last_step_time = time.perf_counter() - t0
         return outputs
 
@@ -293,8 +292,6 @@ def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):
     """The KV-event publisher (conveyor/kv/events.py) when config.kv_events_endpoint is set, fed by `kv`."""
     if not config.kv_events_endpoint:
         return None
-    from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
-
     if not config.enable_prefix_caching:
         logger.warning("KV events are on but prefix caching is off: no block is ever cached, so none is reported")
     publisher = ZmqEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
@@ -318,8 +315,6 @@ def warn_if_profile_stale(cost: StepCostModel | None, model) -> None:
     moved to the int8 kernel) or on other C++ kernels (``meta.kernels``, their sources' digest), since
     its step costs then describe another engine; or with another number of torch threads (on the
     2-vCPU Zen4 one thread's steps cost 1.3-1.9x two threads', docs/simulator.md)."""
-    from conveyor.model.cpu_kernels import kernels_digest
-
     thresholds = getattr(model, "dispatch_thresholds", None)
     if cost is None or thresholds is None:
         return

@@ -14,38 +14,13 @@ from __future__ import annotations
 
 import numbers
 import random
-from dataclasses import dataclass
 
 from conveyor.engine.core import SeqUpdate
 from conveyor.engine.inputs import InputProcessor, InvalidRequestError, ProcessedInput
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
-from conveyor.request import RequestStatus
+from conveyor.engine.wire import EngineRequest, Finish
 from conveyor.sampling.params import SamplingParams
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    """A validated request as the engine core receives it: one sequence per (id, seed)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seq_ids: list[str]
-    seeds: list[int]
-    priority: int
-    arrival_time: float
-    cache_salt: str | None = None
-
-
-@dataclass(slots=True)
-class Finish:
-    """End these sequences in the core: a stop string (reason) was found, or a sibling failed (None)."""
-
-    seq_ids: list[str]
-    status: RequestStatus = RequestStatus.FINISHED_ABORTED
-    reason: int | str | None = None
-    report: bool = False   # a caller's abort: the core answers with an "abort" delta per live sequence
 
 
 class FrontEnd:
@@ -83,8 +58,9 @@ class FrontEnd:
             self._next_seq += 1
             seq_ids.append(f"seq-{self._next_seq}")
         self.outputs.add(request_id, inp.prompt, inp.prompt_token_ids, p, seq_ids, arrival_time)
-        return EngineRequest(request_id, inp.prompt_token_ids, p, seq_ids, seeds, int(priority), arrival_time,
-                             inp.cache_salt)
+        return EngineRequest(request_id=request_id, prompt_token_ids=inp.prompt_token_ids, params=p,
+                             seq_ids=seq_ids, seeds=seeds, priority=int(priority), arrival_time=arrival_time,
+                             cache_salt=inp.cache_salt)
 
     def forget(self, request_id: str) -> None:
         """Drop a registered request that never reached the core (its add failed)."""
@@ -100,8 +76,7 @@ class FrontEnd:
 
     def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[Finish]]:
         """The outputs of the requests that changed, and the sequences the core must end."""
-        outputs, finishes = self.outputs.process(updates)
-        return outputs, [Finish([c.seq_id], c.status, c.reason) for c in finishes]
+        return self.outputs.process(updates)
 
     def has_unfinished(self) -> bool:
         return self.outputs.has_unfinished()

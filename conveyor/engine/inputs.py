@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from conveyor.engine.stop_strings import compile_stops
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
+from conveyor.sampling.structured import GrammarBackend
 
 
 @dataclass(slots=True)
@@ -36,8 +37,6 @@ def cache_salt(prompt: object) -> str | None:
 
 def grammar_backend(tokenizer, vocab_size: int):
     """The structured-output compiler for this tokenizer (llguidance loads on first use)."""
-    from conveyor.sampling.structured import GrammarBackend
-
     return GrammarBackend(tokenizer.backend.to_str(), list(tokenizer.eos_token_ids), vocab_size)
 
 

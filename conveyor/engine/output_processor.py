@@ -17,21 +17,13 @@ from functools import lru_cache
 from conveyor.engine.core import SeqUpdate
 from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from conveyor.engine.stop_strings import StopScanner
+from conveyor.engine.wire import Finish
 from conveyor.request import RequestMetrics, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import LogprobEntry
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class FinishCommand:
-    """Ask the core to finish a sequence: a stop string was found, or a sibling failed."""
-
-    seq_id: str
-    status: RequestStatus
-    reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -145,12 +137,12 @@ class OutputProcessor:
         return live
 
     # ---- a step's updates ------------------------------------------------------------------
-    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[FinishCommand]]:
+    def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[Finish]]:
         """Outputs of every request that changed, and the finishes the core must apply."""
         changed, commands = self._to_report, []
         self._to_report = {}
         for u in updates:
-            found = self._seqs.get(u.request_id)
+            found = self._seqs.get(u.seq_id)
             if found is None:
                 continue
             group, seq = found
@@ -167,7 +159,7 @@ class OutputProcessor:
                 self._forget(group)
         return outputs, commands
 
-    def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[FinishCommand]) -> None:
+    def _apply(self, group: _Group, seq: _Seq, u: SeqUpdate, commands: list[Finish]) -> None:
         if u.metrics is not None:   # sent with the first token and the finish (a copy: ours to update)
             seq.metrics = u.metrics
         if u.prompt_logprobs is not None and group.prompt_logprobs is None:
@@ -196,7 +188,7 @@ class OutputProcessor:
             if cut < 0:   # the stop string began in text already appended (held back, not yet sent)
                 seq.text = seq.text[:len(seq.text) + cut]
             if u.finish_reason is None:
-                commands.append(FinishCommand(seq.seq_id, RequestStatus.FINISHED_STOPPED, stop))
+                commands.append(Finish(seq_ids=[seq.seq_id], status=RequestStatus.FINISHED_STOPPED, reason=stop))
             # finished by eos/length with the same token: the stop string wins
             seq.end("stop", stop, u.token_time)
             return
@@ -204,14 +196,15 @@ class OutputProcessor:
         if u.finish_reason is not None:
             seq.end(u.finish_reason, u.stop_reason, time.monotonic())
 
-    def _fail(self, group: _Group, message: str, commands: list[FinishCommand], code: str | None = None) -> None:
+    def _fail(self, group: _Group, message: str, commands: list[Finish], code: str | None = None) -> None:
         """The whole request fails with `message`; its live siblings are aborted."""
         if group.error is None:   # the first failure is the one reported
             group.error, group.error_code = message, code
-        for s in group.seqs:
-            if not s.finished:
-                commands.append(FinishCommand(s.seq_id, RequestStatus.FINISHED_ABORTED))
-                s.end("error", None, time.monotonic())
+        live = [s for s in group.seqs if not s.finished]
+        if live:
+            commands.append(Finish(seq_ids=[s.seq_id for s in live]))
+        for s in live:
+            s.end("error", None, time.monotonic())
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)

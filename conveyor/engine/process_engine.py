@@ -4,10 +4,11 @@ The server's process is the front end: HTTP, tokenization, validation (once), de
 stop strings and the streams. A child process (spawned, not forked: torch's thread pools do not
 survive a fork) loads the model and runs ``EngineLoop`` over an ``EngineBackend``. Validated
 requests (``EngineRequest``) and finishes go down one pipe; each step's per-sequence deltas
-(new token ids, their logprobs, finishes) and stats come back up another as one pickled
-message -- what a step adds, never a request's text or history again. The two processes share
+(new token ids, their logprobs, finishes) and stats come back up another as one message
+(``StepResults``) -- what a step adds, never a request's text or history again. Every message is
+a declared type of wire.py, one msgpack frame each way. The two processes share
 no GIL, so the front end's work on step N's deltas runs while the child computes step N+1.
-The child ignores SIGINT/SIGTERM — the parent decides when it stops (a Stop command, or the
+The child ignores SIGINT/SIGTERM — the parent decides when it stops (a Shutdown command, or the
 command pipe closing when the parent dies).
 """
 
@@ -23,11 +24,15 @@ import threading
 import time
 
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Add, EngineLoop, Stop, StreamingClient
+from conveyor.engine.async_engine import EngineLoop, StreamingClient
 from conveyor.engine.core import EngineDeadError, SeqUpdate
-from conveyor.engine.frontend import Finish, FrontEnd
+from conveyor.engine.engine import EngineBackend
+from conveyor.engine.frontend import FrontEnd
 from conveyor.engine.inputs import InputProcessor, grammar_backend
 from conveyor.engine.stats import EngineStats
+from conveyor.engine.wire import (WIRE_VERSION, Closed, Command, EngineRequest, LoopFailed, Ready, Result, Shutdown,
+                                  StartFailed, StepResults, WireError, check_version, decode_command, decode_result,
+                                  encode)
 from conveyor.model.loader import load_tokenizer
 from conveyor.sampling.params import SamplingParams
 
@@ -41,10 +46,14 @@ class _PipeSink:
         self.conn = conn
 
     def deliver(self, updates: list[SeqUpdate], stats: EngineStats, applied_seqs: int) -> None:
-        self.conn.send(("out", updates, stats, applied_seqs))
+        _send(self.conn, StepResults(updates=updates, stats=stats, applied_seqs=applied_seqs))
 
     def failed(self, error: BaseException) -> None:
-        self.conn.send(("failed", str(error), isinstance(error, EngineDeadError)))
+        _send(self.conn, LoopFailed(message=str(error), engine_dead=isinstance(error, EngineDeadError)))
+
+
+def _send(conn, message: Command | Result) -> None:
+    conn.send_bytes(encode(message))
 
 
 def freeze_gc() -> None:
@@ -58,43 +67,44 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
-def _child_main(config: EngineConfig, commands, results, log_level: int) -> None:
+def _child_main(config: EngineConfig, commands, results, log_level: int, wire_version: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     try:
-        from conveyor.engine.engine import EngineBackend
-
+        check_version(wire_version, "the front end")
         engine = EngineBackend(config)
     except BaseException as e:   # noqa: BLE001 - the parent reports it
-        results.send(("error", f"{type(e).__name__}: {e}"))
+        _send(results, StartFailed(message=f"{type(e).__name__}: {e}"))
         return
     loop = EngineLoop(engine, _PipeSink(results))
     freeze_gc()
-    results.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                            "vocab_size": engine.model_config.vocab_size, "stats": engine.stats(),
-                            "dtype": engine.dtype, "eos_token_ids": list(engine.model_config.eos_token_ids),
-                            "generation_defaults": engine.generation_defaults}))
+    _send(results, Ready(wire_version=WIRE_VERSION, model_name=engine.model_name,
+                         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+                         dtype=engine.dtype, eos_token_ids=list(engine.model_config.eos_token_ids),
+                         generation_defaults=engine.generation_defaults, stats=engine.stats()))
 
     def forward() -> None:
         while True:
             try:
-                command = commands.recv()
+                command = decode_command(commands.recv_bytes())
             except (EOFError, OSError):   # the parent is gone: stop now
-                loop.post(Stop(time.monotonic()))
+                loop.post(Shutdown(deadline=time.monotonic()))
                 return
-            request = getattr(command, "request", None)
-            constraint = request.params.structured_outputs if request is not None else None
-            if constraint is not None:   # compile here, off the step loop (the loop finds it cached)
-                try:
-                    engine.grammars.compile(constraint)
+            except WireError:   # not from our front end: nothing it sends can be trusted any more
+                logger.exception("stopping: a command that is not one")
+                loop.post(Shutdown(deadline=time.monotonic()))
+                return
+            if isinstance(command, EngineRequest) and command.params.structured_outputs is not None:
+                try:   # compile here, off the step loop (the loop finds it cached)
+                    engine.grammars.compile(command.params.structured_outputs)
                 except ValueError:
-                    pass   # the loop's add_request reports it
+                    pass   # the loop's add reports it
             loop.post(command)
 
     threading.Thread(target=forward, name="conveyor-commands", daemon=True).start()
     loop.run()
-    results.send(("closed",))
+    _send(results, Closed())
 
 
 class ProcessEngine(StreamingClient):
@@ -107,7 +117,8 @@ class ProcessEngine(StreamingClient):
         # Before the child starts: a GGUF is converted once, here.
         tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._proc = ctx.Process(target=_child_main, name="conveyor-engine", daemon=False,
-                                 args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel()))
+                                 args=(config, cmd_recv, results_send, logging.getLogger().getEffectiveLevel(),
+                                       WIRE_VERSION))
         self._proc.start()
         # The child is not a daemon (it may spawn tensor-parallel ranks), so at exit
         # multiprocessing joins it: close the command pipe first, which stops it.
@@ -115,20 +126,24 @@ class ProcessEngine(StreamingClient):
         cmd_recv.close()
         results_send.close()
         try:
-            first = self._results.recv()
+            first = decode_result(self._results.recv_bytes())
+            if isinstance(first, Ready):
+                check_version(first.wire_version, "the engine process")
         except EOFError:
-            first = ("error", f"the engine process exited with code {self._proc.exitcode}")
-        if first[0] != "ready":
+            first = StartFailed(message=f"the engine process exited with code {self._proc.exitcode}")
+        except WireError as e:
+            self._commands.close()
+            first = StartFailed(message=str(e))
+        if not isinstance(first, Ready):
             self._proc.join(timeout=5)
-            raise RuntimeError(f"the engine process could not start: {first[1]}")
-        info = first[1]
-        self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
-        self.vocab_size, self.dtype = info["vocab_size"], info["dtype"]
-        self.generation_defaults = info["generation_defaults"]
+            raise RuntimeError(f"the engine process could not start: {getattr(first, 'message', first)}")
+        self.model_name, self.max_model_len = first.model_name, first.max_model_len
+        self.vocab_size, self.dtype = first.vocab_size, first.dtype
+        self.generation_defaults = first.generation_defaults
         grammars = grammar_backend(tokenizer, self.vocab_size)   # a bad grammar is a 400 here
-        inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, info["eos_token_ids"], grammars,
+        inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, first.eos_token_ids, grammars,
                                 SamplingParams(**self.generation_defaults))
-        super().__init__(max_waiting, info["stats"], FrontEnd(inputs, config.seed))
+        super().__init__(max_waiting, first.stats, FrontEnd(inputs, config.seed))
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)
         self._receiver.start()
@@ -142,34 +157,40 @@ class ProcessEngine(StreamingClient):
         if self._proc.is_alive():
             self._proc.kill()
 
-    def _post(self, command: Add | Finish | Stop) -> None:
+    def _post(self, command: Command) -> None:
+        frame = encode(command)   # InvalidRequestError: a request that cannot cross (the caller refuses it)
         try:
             with self._send_lock:
-                self._commands.send(command)
+                self._commands.send_bytes(frame)
         except (OSError, ValueError):   # the child is gone; the receiver reports why
             pass
 
     def _receive(self) -> None:
         while True:
             try:
-                msg = self._results.recv()
+                msg = decode_result(self._results.recv_bytes())
             except (EOFError, OSError):
                 self._proc.join(timeout=5)
                 if self._error is None and self._accepting:
                     self.failed(RuntimeError(f"the engine process exited unexpectedly "
                                              f"(exit code {self._proc.exitcode})"))
                 return
-            if msg[0] == "out":
+            except WireError as e:   # the child speaks another language: nothing it says can be trusted
+                logger.exception("the engine process sent a message that is not one")
+                self.failed(e)
+                self._post(Shutdown(deadline=time.monotonic()))
+                return
+            if isinstance(msg, StepResults):
                 try:
-                    self.deliver(msg[1], msg[2], msg[3])
+                    self.deliver(msg.updates, msg.stats, msg.applied_seqs)
                 except BaseException as e:   # noqa: BLE001 - a front-end bug must end the streams, not hang them
                     logger.exception("processing the engine's outputs failed")
                     self.failed(e)
-                    self._post(Stop(time.monotonic()))
+                    self._post(Shutdown(deadline=time.monotonic()))
                     return
-            elif msg[0] == "failed":
-                self.failed(EngineDeadError(msg[1]) if msg[2] else RuntimeError(msg[1]))
-            elif msg[0] == "closed":
+            elif isinstance(msg, LoopFailed):
+                self.failed(EngineDeadError(msg.message) if msg.engine_dead else RuntimeError(msg.message))
+            elif isinstance(msg, Closed):
                 return
 
     @property

@@ -194,7 +194,7 @@ def _step(replica: Replica, now: float, records: list[RequestRecord]) -> None:
     if replica.between_steps and plan is not None and plan.scheduled:   # the tokens are out; then the gap
         replica.wait_until(replica.clock() + replica.between_steps)
     for u in updates:
-        rec = records[int(u.request_id)]
+        rec = records[int(u.seq_id)]
         if u.token_id is not None:
             rec.num_output_tokens += 1
             if rec.first_token is None:

@@ -4,14 +4,15 @@ once in the front end, stop strings found there ending the sequence in the core 
 from __future__ import annotations
 
 import asyncio
-import pickle
 
+import msgspec
 import pytest
 
 import conveyor.engine.inputs as inputs_mod
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.engine.core import idle_violations
 from conveyor.engine.inputs import InvalidRequestError
+from conveyor.engine.wire import StepResults, decode_result, encode
 from conveyor.sampling.params import SamplingParams
 
 
@@ -29,7 +30,7 @@ def test_a_step_sends_only_the_new_token_of_each_sequence(make_engine):
         assert not stops
         if updates and all(u.token_id is not None and u.finish_reason is None for u in updates):
             assert all(u.metrics is None for u in updates) or tokens == 0   # metrics: first token and finish only
-            sizes.append(len(pickle.dumps(updates)))
+            sizes.append(len(msgspec.msgpack.encode(updates)))   # as they cross the process pipe
         tokens += len(updates)
     assert tokens == 4 * 300 and len(sizes) > 250
     early, late = sizes[1:20], sizes[-20:]
@@ -78,10 +79,11 @@ def test_a_stop_string_found_in_the_front_end_stops_the_core_sequence(make_engin
     finished = engine.scheduler.stats.num_finished
     engine.add_request([9, 10, 11], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
     final = None
-    while engine.has_unfinished_requests():   # the deltas cross a pickle, as between two processes
-        outputs, finishes = engine.frontend.process(pickle.loads(pickle.dumps(engine.run_step())))
+    while engine.has_unfinished_requests():   # the deltas cross the wire, as between two processes
+        frame = encode(StepResults(updates=engine.run_step(), stats=engine.stats(), applied_seqs=0))
+        outputs, finishes = engine.frontend.process(decode_result(frame).updates)
         for command in finishes:
-            engine.stop(command)
+            engine.finish(command)
         final = next((o for o in outputs if o.finished), final)
     c = final.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop and text.startswith(c.text) and stop not in c.text

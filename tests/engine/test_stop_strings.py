@@ -97,7 +97,7 @@ def _run(tok, text: str, params: SamplingParams, finish_with_last: str | None = 
 def test_stop_string_spanning_tokens_is_held_back_then_cut(demo_tokenizer):
     text = "The answer is 42. STOP here and more"
     outs, cmds = _run(demo_tokenizer, text, SamplingParams(stop=["STOP here", "\n\n"]))
-    assert [(c.seq_id, c.status, c.reason) for c in cmds] == [("s", RequestStatus.FINISHED_STOPPED, "STOP here")]
+    assert [(c.seq_ids, c.status, c.reason) for c in cmds] == [(["s"], RequestStatus.FINISHED_STOPPED, "STOP here")]
     final = outs[-1].outputs[0]
     assert outs[-1].finished and final.finish_reason == "stop" and final.stop_reason == "STOP here"
     assert final.text == "The answer is 42. "

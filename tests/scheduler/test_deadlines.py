@@ -48,7 +48,7 @@ def test_a_request_past_its_deadline_fails_while_the_others_are_served():
     step_collecting(sim, updates)
     assert late.status == RequestStatus.FINISHED_ERROR and late.metrics.first_scheduled_time is None
     assert "queue timeout" in late.error and "max_queue_time of 0.5 s" in late.error
-    (u,) = [u for u in updates if u.request_id == "late"]
+    (u,) = [u for u in updates if u.seq_id == "late"]
     assert u.error == late.error and u.error_code == QUEUE_TIMEOUT and u.finish_reason == "error"
     sim.run(200)
     sim.check_outputs()                          # busy and patient got exactly their tokens

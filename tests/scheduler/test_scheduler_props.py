@@ -260,10 +260,10 @@ class Sim:
         entry = entries[0]
         for u in updates:
             if u.error is not None:
-                entry.failed.add(u.request_id)
+                entry.failed.add(u.seq_id)
             if u.embedding is not None:
-                assert u.request_id not in self.embeddings, f"{u.request_id}: two embeddings"
-                self.embeddings[u.request_id] = u.embedding
+                assert u.seq_id not in self.embeddings, f"{u.seq_id}: two embeddings"
+                self.embeddings[u.seq_id] = u.embedding
         for r in self.all.values():
             if r.is_finished:
                 self.ended.add(r.request_id)

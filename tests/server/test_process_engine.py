@@ -114,3 +114,27 @@ def test_a_program_that_never_closes_its_engine_still_exits(tmp_path):
         "    print('started', flush=True)\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "started" in done.stdout and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_request_that_cannot_cross_the_pipe_is_refused_and_leaves_nothing_behind():
+    engine = ProcessEngine(CONFIG)
+
+    async def main():
+        bad = SamplingParams(max_tokens=4, logits_processors=[lambda ids, row: row])
+        with pytest.raises(InvalidRequestError, match="cannot be sent to the engine process"):
+            engine.add_request("hello", bad, "bad")
+        assert "bad" not in engine.frontend and not engine._shared.streams and engine._shared.pending_seqs == 0
+        return await drain(engine.add_request("hello", GREEDY, "bad"))   # the id is free again
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "length" and engine.stats().num_waiting == 0
+    engine.close(timeout=5)
+
+
+def test_an_engine_process_of_another_wire_version_is_refused(monkeypatch):
+    """The child checks the front end's wire version before it loads anything, and says why."""
+    import conveyor.engine.process_engine as pe
+
+    monkeypatch.setattr(pe, "WIRE_VERSION", pe.WIRE_VERSION + 1)
+    with pytest.raises(RuntimeError, match=r"could not start: WireError: the front end speaks wire version"):
+        ProcessEngine(CONFIG)
