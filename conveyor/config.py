@@ -8,12 +8,10 @@ their fields, names and help texts. No torch here.
 from __future__ import annotations
 
 import argparse
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from conveyor.config_fields import check_choice, option
+from conveyor.config_fields import add_options, check_choice, option
 from conveyor.scheduler.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -132,28 +130,11 @@ def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 # ---- command lines ---------------------------------------------------------------------------
 
-def _flag_type(hint: Any) -> type:
-    """int for `int` or `int | None`, and so on."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return hint
-
-
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per option of EngineConfig and SchedulerConfig (--max-num-seqs, ...), but those in `skip`."""
     group = parser.add_argument_group("engine")
     for cls in (EngineConfig, SchedulerConfig):
-        hints = typing.get_type_hints(cls)
-        for f in fields(cls):
-            meta = f.metadata
-            if not meta or not meta.get("cli") or f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(hints[f.name])
-            if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-            else:
-                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"], help=meta["help"])
+        add_options(group, cls, skip)
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

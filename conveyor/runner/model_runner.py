@@ -15,34 +15,9 @@ from conveyor.model.llama import LlamaForCausalLM
 from conveyor.runner.inputs import SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
 from conveyor.runner.state import RunnerState
+from conveyor.sampling.logits import edit_logits
 from conveyor.sampling.sampler import Sampler, SamplerOutput, logprob_entries
-from conveyor.sampling.structured import apply_bitmask
 from conveyor.scheduler.output import LogprobEntry, ModelOutput, SchedulerOutput
-
-
-def apply_logit_edits(logits: torch.Tensor, rows: list) -> None:
-    """In place, per (row, SamplingRow): the allowed set, the bias, and the bad words that the
-    output's last tokens would complete (a banned token gets the dtype's lowest finite value)."""
-    low = torch.finfo(logits.dtype).min
-    for r, row in rows:
-        p = row.params
-        if p.allowed_token_ids:
-            keep = torch.tensor(p.allowed_token_ids, device=logits.device)
-            kept = logits[r, keep].clone()
-            logits[r].fill_(low)
-            logits[r, keep] = kept
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), device=logits.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[r, ids] = (logits[r, ids] + bias).clamp_min(low)
-        for proc in p.logits_processors or ():
-            logits[r] = proc(list(row.output_token_ids or []), logits[r])
-        if p.bad_words_token_ids:
-            out = row.output_token_ids or []
-            banned = [w[-1] for w in p.bad_words_token_ids
-                      if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
-            if banned:
-                logits[r, torch.tensor(banned, device=logits.device)] = low
 
 
 def pooled_rows(s, start: int) -> list[int]:
@@ -140,12 +115,7 @@ class ModelRunner:
         # Logit rows follow the model's layout; each is named by its request id from here on.
         ids = [plan.scheduled[i].request_id for i in inputs.sample_order]
         rows = [self.state.row(rid) for rid in ids]
-        edits = [(r, row) for r, row in enumerate(rows) if row.params.has_logit_edits]
-        if edits:   # logit_bias, allowed_token_ids, bad words
-            apply_logit_edits(logits, edits)
-        if plan.grammar_bitmask is not None:   # structured outputs: disallowed tokens to -inf
-            row_of = {rid: r for r, rid in enumerate(ids)}
-            apply_bitmask(logits, [row_of[rid] for rid in plan.grammar_ids], plan.grammar_bitmask)
+        edit_logits(logits, ids, rows, plan.grammar_ids, plan.grammar_bitmask)
         if self.record_logits:
             self.last_logits = dict(zip(ids, logits))
         if not ids:
