@@ -10,7 +10,9 @@ from pathlib import Path
 
 from conveyor.bench.serve import add_parser as add_serve_bench_parser
 from conveyor.config import add_engine_args, config_from_args
+from conveyor.paths import profile_path
 from conveyor.plot import add_parser as add_plot_parser
+from conveyor.sampling.params import SamplingParams
 from conveyor.server.batch import add_run_batch_parser
 from conveyor.server.cli import add_serve_parser
 from conveyor.sim.cli import add_parser as add_simulate_parser
@@ -31,8 +33,7 @@ def read_prompts(path: Path) -> list[str | dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from conveyor.engine.llm import LLM
-    from conveyor.sampling.params import SamplingParams
+    from conveyor.engine.llm import LLM   # lazy: keeps torch out of the CLI's start-up
 
     prompts: list = list(args.prompt)
     if args.file:
@@ -58,8 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    # lazy: keeps torch out of the CLI's start-up
     from conveyor.engine.engine import Engine
-    from conveyor.paths import profile_path
     from conveyor.profile import profile
 
     if args.rescale and not args.recheck:
@@ -79,7 +80,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"(worst {100 * fit['max_abs_rel_error']:.1f}%); decode at batch 1 {1e3 * model.token_cost(1):.1f} ms, "
           f"swap {1e3 * model.swap_block:.2f} ms per block")
     if args.sustained:
-        from conveyor.sim.validate import sustained_calibration
+        from conveyor.sim.validate import sustained_calibration   # lazy: keeps numpy out of the CLI's start-up
 
         n = args.sustained_requests
         model, report = sustained_calibration(engine, model, requests=n)
@@ -96,7 +97,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _recheck(engine, path: Path, rescale: str | bool) -> int:
     """`conveyor profile --recheck [--rescale [--rescale-by size|median]]`: the saved profile's probe steps
     timed again; `rescale` is False or how to scale."""
-    from conveyor.profile import recheck_profile
+    from conveyor.profile import recheck_profile   # lazy: keeps torch out of the CLI's start-up
 
     check = recheck_profile(engine, path, bool(rescale), by_size=rescale == "size")
     for name, ratio in check["ratios"].items():
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "ray", False):   # conveyor serve --ray: the app on Ray Serve (conveyor/ray/serve.py)
-        from conveyor.ray.serve import serve_from_cli
+        from conveyor.ray.serve import serve_from_cli   # lazy: keeps torch out of the CLI's start-up
 
         return serve_from_cli(args)
     try:

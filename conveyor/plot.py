@@ -14,10 +14,10 @@ from conveyor.engine.trace import StepTracer
 
 
 def plot_traces(traces: list[StepTracer], labels: list[str], out: str | Path, title: str | None = None) -> Path:
-    import matplotlib
+    import matplotlib   # lazy: optional dependency (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: optional dependency (matplotlib)
 
     fig, axes = plt.subplots(4, len(traces), figsize=(6.5 * len(traces), 9), sharex="col", sharey="row",
                              squeeze=False)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from conveyor.engine.engine import Engine
 from conveyor.model.cpu_kernels import kernels_digest
+from conveyor.model.probe_cache import KEY_FLAGS, cpu_family, cpu_info, decisions
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, StepShape, flat_hat_weights, hat_weights
 from conveyor.scheduler.output import NewRequestData, ScheduledSeq, SchedulerOutput
@@ -48,8 +50,6 @@ class Sample:
 def machine() -> dict:
     """CPU model and the flags that decide its kernels, torch and its threads, and the kernel paths
     this machine's probes chose (conveyor/model/probe_cache.py; empty before the first engine start)."""
-    from conveyor.model.probe_cache import KEY_FLAGS, cpu_family, cpu_info, decisions
-
     model, flags = cpu_info()
     return {"cpu": model if model != "unknown" else platform.processor() or platform.machine(),
             "cpu_family": cpu_family(),
@@ -363,8 +363,6 @@ def recheck_profile(engine: Engine, path, rescale: bool = False, by_size: bool =
     prices of the probes (what the next check compares with: each reference times the factor the
     scaled model applies at that probe's shape) and the check's date and factors in
     ``meta.speed_checks``."""
-    from pathlib import Path
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no profile at {path}: run `conveyor profile` first")

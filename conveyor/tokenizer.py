@@ -355,7 +355,7 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
 
 
 def _read_gguf_metadata(source: str | Path | gguf.GGUFReader) -> dict[str, Any]:
-    import gguf  # only needed here; keeps `import conveyor.tokenizer` light
+    import gguf   # lazy: keeps numpy (gguf) out of the torch-free units
 
     reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
     return {key: f.contents() for key, f in reader.fields.items()

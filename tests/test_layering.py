@@ -4,7 +4,9 @@ Every import between conveyor's top-level packages (module-level, function-level
 TYPE_CHECKING imports alike, read statically with ast) must be an edge of ``ALLOWED``; the
 table has no cycle, so neither do the packages; nor do the modules, inside a package included. The doc's table is parsed and must equal this
 one. Each package also imports alone in a fresh interpreter, which catches a cycle between its
-modules that only bites when it is imported first.
+modules that only bites when it is imported first. An import inside a function says why it is not at
+the top of its module, in one of LAZY_REASON's forms (an optional dependency, or a heavy one kept out of
+a light entry point).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
             "scheduler"),   # runner/state.py
     "plot": ("engine.core",),
     "profile": ("engine", "model", "sampling", "scheduler"),
-    "server": ("config", "engine", "engine.core", "errors", "parallel", "request", "sampling", "scheduler",
+    "server": ("config", "config_fields", "engine", "engine.core", "errors", "parallel", "request", "sampling", "scheduler",
                "tokenizer"),
     "ray": ("config", "engine", "engine.core", "kv", "model", "routing", "sampling", "scheduler", "server"),
     "bench": (),
@@ -173,6 +175,58 @@ def test_no_cycle_between_modules():
         graph.setdefault(src, set()).update(t for t, _ in imported_modules(path) if t != src)
     cycle = find_cycle(graph)
     assert cycle is None, "module cycle: " + " -> ".join(cycle)
+
+
+# Why an import may sit inside a function, on its line or on a comment line right above it (a run of
+# imports without other statements between them shares the comment above its first one):
+#   # lazy: optional dependency (ray)
+#   # lazy: keeps torch out of the CLI's start-up
+#   # lazy: would import a cycle (a -> b -> a)
+LAZY_REASON = re.compile(r"#\s*lazy: (optional dependency \([^)]+\)|keeps .+ out of .+|would import a cycle \(.+ -> .+\))")
+
+def function_level_imports(tree: ast.AST) -> Iterator[tuple[ast.stmt, ast.stmt | None]]:
+    """(import, the statement just before it in the same block) for every import inside a function."""
+    def blocks(node: ast.AST, in_function: bool) -> Iterator[tuple[list[ast.stmt], bool]]:
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(node, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block, in_function
+        for handler in getattr(node, "handlers", ()):
+            yield handler.body, in_function
+        for case in getattr(node, "cases", ()):
+            yield case.body, in_function
+
+    todo = [(tree, False)]
+    while todo:
+        node, in_function = todo.pop()
+        for block, inside in blocks(node, in_function):
+            for i, stmt in enumerate(block):
+                if inside and isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    yield stmt, block[i - 1] if i else None
+                todo.append((stmt, inside or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))))
+
+
+def unexplained_lazy_imports(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines), str(path))
+    explained: set[ast.stmt] = set()
+    out = []
+    for stmt, before in sorted(function_level_imports(tree), key=lambda p: p[0].lineno):
+        own = any(LAZY_REASON.search(lines[n - 1]) for n in range(stmt.lineno, stmt.end_lineno + 1))
+        above = LAZY_REASON.fullmatch(lines[stmt.lineno - 2].strip()) is not None
+        if own or above or before in explained:
+            explained.add(stmt)
+        else:
+            out.append(f"{path.relative_to(REPO)}:{stmt.lineno}: {lines[stmt.lineno - 1].strip()}")
+    return out
+
+
+def test_every_function_level_import_says_why():
+    """An import belongs at the top of its module; inside a function only for a reason that is stated (an optional
+    dependency; a heavy one kept out of a light entry point, e.g. torch out of the CLI or the torch-free core)."""
+    missing = [line for path in sorted(SRC.rglob("*.py")) for line in unexplained_lazy_imports(path)]
+    assert not missing, ("imports inside functions without a '# lazy: <reason>' comment (move them to the top of "
+                         "the module, or give the reason):\n" + "\n".join(missing))
 
 
 def test_every_exception_is_still_needed():

@@ -296,7 +296,7 @@ def summarize(values: list[float]) -> dict | None:
     """mean / median / p90 / p99 (linear interpolation, as numpy) / max; None if empty."""
     if not values:
         return None
-    import numpy as np
+    import numpy as np   # lazy: keeps numpy out of the CLI's start-up
 
     a = np.asarray(values, dtype=float)
     out = {"mean": float(a.mean()), "median": float(np.percentile(a, 50))}
@@ -360,17 +360,17 @@ def format_summary(m: dict, title: str = "") -> str:
 # ---- plots ----------------------------------------------------------------------------------------
 
 def _pyplot():
-    import matplotlib
+    import matplotlib   # lazy: optional dependency (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: optional dependency (matplotlib)
 
     return plt
 
 
 def plot_run(m: dict, path: str | Path) -> None:
     """CDFs of TTFT, TPOT and E2E, and TTFT / E2E against the time each request was sent."""
-    import numpy as np
+    import numpy as np   # lazy: keeps numpy out of the CLI's start-up
 
     plt = _pyplot()
     reqs = [r for r in m["requests"] if r["error"] is None]

@@ -18,7 +18,7 @@ its type name:
 - ``["AllBlocksCleared"]``.
 
 Block hashes are Conveyor's own prefix-cache keys (sha256 chained over the parent key and the
-block's content, conveyor/kv/manager.py) as unsigned 64-bit ints: the key's last 8 bytes,
+block's content, conveyor/kv/prefix_cache.py) as unsigned 64-bit ints: the key's last 8 bytes,
 big-endian (what vLLM sends when it sends ints). A ROUTER socket replays the last
 ``buffer_steps`` batches to a client that sends ``[b"", start_seq]`` (what a REQ socket sends),
 answering ``[b"", seq, payload]`` per batch from ``start_seq`` on and ``[b"", -1, b""]`` at the end.
@@ -126,6 +126,7 @@ class ZmqEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = 10_000, hwm: int = 100_000, max_queue: int = 100_000, dp_rank: int = 0):
         try:
+            # lazy: optional dependency (pyzmq, msgpack)
             import msgpack
             import zmq
         except ImportError as e:

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.cpu_kernels import cpu_kernels
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -209,8 +211,6 @@ def make_attention_backend(num_heads: int, num_kv_heads: int, head_dim: int, dev
                            dtype: torch.dtype, scale: float | None = None) -> TorchPagedAttention:
     """The fastest backend available for the device and dtype, else the portable one. `scale`:
     the query scale (default 1/sqrt(head_dim))."""
-    from conveyor.model.cpu_kernels import cpu_kernels
-
     kernels = cpu_kernels(device, dtype)
     if kernels is not None:
         return CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernels, scale)

@@ -7,10 +7,18 @@ Set CONVEYOR_KERNELS=torch to force the portable path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shlex
+import subprocess
+import tempfile
 from functools import cache
 from pathlib import Path
+
+import torch
+
+from conveyor.model import probe_cache
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
@@ -20,9 +28,7 @@ _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp",
 
 def _cpu_flags(flags: set[str] | None = None) -> list[str]:
     """The compiler's ISA flags for a CPU with `flags` (/proc/cpuinfo's names; default: this one's)."""
-    from conveyor.model.probe_cache import cpu_info
-
-    flags = cpu_info()[1] if flags is None else flags
+    flags = probe_cache.cpu_info()[1] if flags is None else flags
     out = [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in flags]
     if "avx_vnni" in flags and "avx2" in flags:
         out += ["-mavxvnni"]
@@ -39,13 +45,8 @@ def _compiler_builds_amx(flags: list[str]) -> bool:
     """Whether the C++ compiler and assembler build AMX code with `flags` (an old compiler or binutils
     may not know AMX's; the kernels then build without it rather than not at all). The probe compile
     takes ~1 s, so its answer is remembered per machine and compiler version."""
-    import shlex
-    import subprocess
-    import tempfile
-
+    # lazy: keeps torch's extension builder (~0.1 s) out of processes that never build the kernels
     from torch.utils.cpp_extension import get_cxx_compiler
-
-    from conveyor.model.probe_cache import remembered
 
     cxx = shlex.split(get_cxx_compiler())
 
@@ -57,7 +58,7 @@ def _compiler_builds_amx(flags: list[str]) -> bool:
 
     try:
         version = subprocess.run([*cxx, "-dumpfullversion"], capture_output=True, text=True, timeout=60).stdout.strip()
-        return bool(remembered(f"compiler_builds_amx/{' '.join(cxx)} {version}", probe))
+        return bool(probe_cache.remembered(f"compiler_builds_amx/{' '.join(cxx)} {version}", probe))
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -68,6 +69,7 @@ def load_cpu_kernels():
     if os.environ.get("CONVEYOR_KERNELS", "auto") == "torch":
         return None
     try:
+        # lazy: keeps torch's extension builder (~0.1 s) out of processes that never build the kernels
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
@@ -93,8 +95,6 @@ def _module_name(flags: list[str]) -> str:
     """The extension's name: with $CONVEYOR_CPU_FLAGS (probe_cache.cpu_info) a build of its own per
     set of compiler `flags`, so that it neither replaces the machine's full build in torch's cache
     nor is loaded in its place."""
-    import hashlib
-
     if "CONVEYOR_CPU_FLAGS" not in os.environ:
         return "conveyor_cpu_kernels"
     return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
@@ -116,15 +116,13 @@ def _headers_flag() -> str:
 
 def _digest(paths) -> str:
     """16 hex digits of the SHA-256 of the files' contents, in path order."""
-    import hashlib
-
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(paths))).hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:
     """torch looks for `ninja` on PATH; the pip package's binary may not be there (venv not activated)."""
     try:
-        import ninja
+        import ninja   # lazy: optional dependency (ninja)
     except ImportError:
         return
     path = os.environ.get("PATH", "")
@@ -134,8 +132,6 @@ def _put_ninja_on_path() -> None:
 
 def cpu_kernels(device, dtype):
     """The kernels when they apply to this device and dtype (CPU, fp32 or bf16), else None."""
-    import torch
-
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     return load_cpu_kernels()

@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from conveyor.model import probe_cache
+from conveyor.model.linear import _ops_available, pack, packed_linear
+
 logger = logging.getLogger(__name__)
 
 # Native bf16 flags choose bf16 unless a probe measured it below this fraction of fp32's speed.
@@ -29,9 +32,7 @@ NATIVE_BF16 = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_flags() -> set[str]:
-    from conveyor.model.probe_cache import cpu_info
-
-    return cpu_info()[1]
+    return probe_cache.cpu_info()[1]
 
 
 def _time(fn, repeats: int = 10) -> float:
@@ -47,8 +48,6 @@ def _time(fn, repeats: int = 10) -> float:
 @cache
 def bf16_speedup_on_cpu() -> float:
     """fp32 time / bf16 time of a [32, 1024] x [1024, 2816] matmul (a decode step's batch, an MLP's shape)."""
-    from conveyor.model.linear import _ops_available, pack, packed_linear
-
     x, w = torch.randn(32, 1024), torch.randn(2816, 1024)
     fp32 = _time(lambda: F.linear(x, w))
     xb, wb = x.bfloat16(), w.bfloat16()
@@ -75,12 +74,10 @@ def resolve_dtype(spec: str, device: str | torch.device) -> str:
 
 def cpu_auto_dtype(flags: set[str]) -> tuple[str, str]:
     """(dtype, the reason) for this CPU's flags; the probe runs only where the flags say bf16."""
-    from conveyor.model.probe_cache import remembered
-
     native = sorted(flags & set(NATIVE_BF16))
     if not native:
         return "float32", "no native bf16 matmul on this CPU (no AMX or AVX512-BF16): bf16 would be emulated"
-    speedup = float(remembered("bf16_speedup", bf16_speedup_on_cpu))
+    speedup = float(probe_cache.remembered("bf16_speedup", bf16_speedup_on_cpu))
     if speedup < VETO_SPEEDUP:
         return "float32", (f"the CPU reports {', '.join(native)}, but bf16 ran at {speedup:.2f}x fp32 when first "
                            "measured on this machine (trapped or emulated)")

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
+from safetensors.numpy import save_file
 
-from conveyor.model.config import ModelConfig, UnsupportedModelError
+from conveyor.model.config import FULL, SLIDING, ModelConfig, UnsupportedModelError
+from conveyor.model.llama import FUSED_PIECE
+from conveyor.model.quant import QuantTensor
 from conveyor.paths import GGUF_CONVERSION_VERSION, cache_dir, gguf_file_key
+from conveyor.tokenizer import Tokenizer
 
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
@@ -76,10 +82,6 @@ def _gemma3_config(cfg: ModelConfig, a) -> ModelConfig:
     """Gemma 3 as llama.cpp runs it: the sliding-window pattern (every 6th layer global) and the
     local RoPE base (10000) are not in the file; the 27B scales queries by hidden/heads, the others by
     head_dim; a linear RoPE scaling applies to the global layers."""
-    from dataclasses import replace
-
-    from conveyor.model.config import FULL, SLIDING
-
     scaling = None
     if a("rope.scaling.type") == "linear" and a("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(a("rope.scaling.factor"))}
@@ -112,8 +114,6 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def fused_group_key(hf_name: str) -> str | None:
     """The fused matmul a weight joins (q/k/v -> qkv_proj, gate/up -> gate_up_proj), or None."""
-    from conveyor.model.llama import FUSED_PIECE
-
     parts = hf_name.rsplit(".", 2)
     if len(parts) < 3 or parts[1] not in FUSED_PIECE:
         return None
@@ -125,10 +125,6 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = (), skip=()
     ``quant.QuantTensor``s of the file's blocks (rows unpermuted like the dense ones). A fused matmul
     (q/k/v, gate/up) with a dense piece is made dense whole by ``loader.build_model``. Names in
     `skip` (HF, without "model.": held elsewhere, model/packed.py) are neither read nor returned."""
-    from gguf.quants import dequantize
-
-    from conveyor.model.quant import QuantTensor
-
     permute = cfg.model_type in _PERMUTED_ARCHS
     out = {}
     for t in reader.tensors:
@@ -139,7 +135,8 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = (), skip=()
         if name.removeprefix("model.") in skip:
             continue
         keep = kind in native and len(t.shape) == 2
-        w = np.array(t.data) if keep else np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = np.array(t.data) if keep else np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                               dtype=np.float32)
         if cfg.norm_unit_offset and name.endswith("norm.weight"):
             w = w - np.float32(1)   # llama.cpp stores Gemma's (1 + w); HF names hold w
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -154,11 +151,6 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
     """Convert a GGUF file into a cached HF-style directory: config.json, the tokenizer files (so
     that a cached load does not even parse the GGUF metadata again) and, with `weights`,
     model.safetensors (every tensor dequantized to fp32)."""
-    from gguf import GGUFReader
-    from safetensors.numpy import save_file
-
-    from conveyor.tokenizer import Tokenizer
-
     path = Path(path)
     target = cache_dir() / f"{path.stem}-{gguf_file_key(path)}"
     marker = target / "conversion.json"   # written last: its presence means the cache is complete
@@ -166,7 +158,7 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
     if marker.exists() or (not weights and meta_marker.exists()):
         return target
     try:
-        reader = GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # the gguf package raises assorted errors on a damaged file
         raise UnsupportedModelError(f"cannot read GGUF file {path}: {e}") from e
     cfg = gguf_config(reader)
@@ -187,14 +179,10 @@ def convert_gguf(path: str | Path, weights: bool = True) -> Path:
 def gguf_native_weights(path: str | Path, cfg: ModelConfig, native: tuple[str, ...], skip=()) -> dict:
     """The file's tensors, HF-named, with the matmul weights of the `native` types as QuantTensors
     and every other tensor as fp32 torch tensors (but those in `skip`: gguf_tensors)."""
-    from gguf import GGUFReader
-
-    out = gguf_tensors(GGUFReader(path), cfg, native, skip)
+    out = gguf_tensors(gguf.GGUFReader(path), cfg, native, skip)
     return {k: torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v
             for k, v in out.items()}
 
 
 def gguf_tensor_types(path: str | Path) -> set[str]:
-    from gguf import GGUFReader
-
-    return {t.tensor_type.name for t in GGUFReader(path).tensors}
+    return {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}

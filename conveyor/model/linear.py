@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.model.cpu_kernels import cpu_kernels, load_cpu_kernels
+from conveyor.model.probe_cache import remembered
+
 logger = logging.getLogger(__name__)
 
 MAX_GEMV_TOKENS = 8   # the kernel's widest pass over the weight (more tokens would read it again)
@@ -83,8 +86,6 @@ PACKED_MARGIN = 0.95   # prepacking must be clearly faster: F.linear is the defa
 
 @cache
 def _measured(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
-    from conveyor.model.probe_cache import remembered
-
     return bool(remembered(f"packed_linear/{dtype}/{in_features}x{out_features}",
                            lambda: _measure_packed(dtype, in_features, out_features)))
 
@@ -126,9 +127,6 @@ def prefer_packed(device: torch.device | str, dtype: torch.dtype, in_features: i
 
 @cache
 def _gemv_measured(dtype: torch.dtype, in_features: int, out_features: int, packed: bool, copies: int) -> int:
-    from conveyor.model.cpu_kernels import cpu_kernels
-    from conveyor.model.probe_cache import remembered
-
     if cpu_kernels("cpu", dtype) is None:   # not built here: nothing to remember
         return 0
     name = f"gemv_tokens/{dtype}/{in_features}x{out_features}/{'packed' if packed else 'plain'}/{copies}"
@@ -143,8 +141,6 @@ GEMV_MARGIN = 1.15
 
 
 def _measure_gemv(dtype: torch.dtype, in_features: int, out_features: int, packed: bool, copies: int) -> int:
-    from conveyor.model.cpu_kernels import cpu_kernels
-
     kernels = cpu_kernels("cpu", dtype)
     if kernels is None:
         return 0
@@ -191,9 +187,6 @@ def configure_gemv_prefetch(dtype: torch.dtype, weights: list[torch.Tensor]) -> 
     (a process-wide switch; it changes speed, never a result). On the Xeon they paid (0.8x ->
     0.95x of the streaming bandwidth); on an EPYC Zen5 one-token passes ran 8-10% faster without
     them, while passes of 2+ tokens need them everywhere (they always prefetch)."""
-    from conveyor.model.cpu_kernels import cpu_kernels
-    from conveyor.model.probe_cache import remembered
-
     kernels = cpu_kernels("cpu", dtype)
     if kernels is None or not weights:
         return False
@@ -229,8 +222,6 @@ class CpuLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, gemv_max: int):
         super().__init__()
-        from conveyor.model.cpu_kernels import load_cpu_kernels
-
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed = pack(weight) if packed else None
         self.weight = weight.detach() if gemv_max or not packed else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import logging
@@ -10,10 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from conveyor.model import linear, probe_cache, quant
+from conveyor.model.attention import CpuPagedAttention, make_attention_backend
 from conveyor.model.config import ModelConfig, UnsupportedModelError
-from conveyor.model.gguf_loader import convert_gguf
+from conveyor.model.gguf_loader import convert_gguf, fused_group_key, gguf_native_weights, gguf_tensor_types
 from conveyor.model.llama import LlamaForCausalLM
+from conveyor.model.ops import make_ops
+from conveyor.model.packed import PackedWeights
+from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, QUANTIZATIONS, QuantTensor, native_available
+from conveyor.model.shard import Shard
+from conveyor.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +67,6 @@ def default_model_name(path: Path) -> str:
 
 
 def load_weights(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = directory / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -121,13 +129,6 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     ``quant.int8_activations_for`` decides for `dtype` on this CPU) or in the model's dtype. With
     `packed` (a ``packed.PackedWeights``), the quantized matmuls it caches come from its mapped
     file (their blocks left out of `weights`); on a miss they are written there and mapped."""
-    from conveyor.model.quant import QuantTensor, dense_copy_allowed, int8_activations_for, int8_activations_native
-    from conveyor.model.attention import CpuPagedAttention, make_attention_backend
-    from conveyor.model.gguf_loader import fused_group_key
-    from conveyor.model.linear import configure_gemv_prefetch, gemv_tokens, prefer_packed
-    from conveyor.model.ops import make_ops
-    from conveyor.model.shard import Shard
-
     rows = None
     if tp is not None:
         shard = Shard.of(cfg, tp.rank, tp.world)
@@ -144,21 +145,21 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
             rope.to(device)
     # Taken out of `weights` (the caller's dict): use_quantized drops each file block once it is
     # concatenated or reordered, so that loading does not hold the model twice.
-    quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, QuantTensor)]}
+    blocks = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, QuantTensor)]}
     # Int8 activations for fp32 and bf16 models where the CPU has VNNI (quant.int8_activations_for).
-    int8 = int8_activations_for(dtype) if int8_activations is None else int8_activations
-    k_quants = int8_activations is not False and int8_activations_native()
-    for k in [k for k, w in quant.items() if w.is_k and not (k_quants and w.out_features % 16 == 0)]:
-        weights[k] = quant.pop(k).dequantize()   # K-quants run on the int8 kernel only
+    int8 = quant.int8_activations_for(dtype) if int8_activations is None else int8_activations
+    k_quants = int8_activations is not False and quant.int8_activations_native()
+    for k in [k for k, w in blocks.items() if w.is_k and not (k_quants and w.out_features % 16 == 0)]:
+        weights[k] = blocks.pop(k).dequantize()   # K-quants run on the int8 kernel only
     mixed = {fused_group_key(k) for k in weights} - {None}   # ... and a fused matmul is dense if one piece is
-    for k in [k for k in quant if fused_group_key(k) in mixed]:
-        weights[k] = quant.pop(k).dequantize()
+    for k in [k for k in blocks if fused_group_key(k) in mixed]:
+        weights[k] = blocks.pop(k).dequantize()
     hit = packed is not None and packed.hit
-    quantized = bool(quant) or hit
+    quantized = bool(blocks) or hit
     if quantized:
-        held = [*quant.values(), *(packed.tensors.values() if hit else ())]
+        held = [*blocks.values(), *(packed.tensors.values() if hit else ())]
         copy_bytes = sum(w.out_features * w.in_features for w in held) * dtype.itemsize
-        model.use_quantized(quant, int8, dense_copy_allowed(copy_bytes), packed)
+        model.use_quantized(blocks, int8, quant.dense_copy_allowed(copy_bytes), packed)
         if packed is not None:
             packed.save_and_map()   # before anything (the fused layer loop) takes the tensors
     model.load_hf_state_dict({k: v.to(dtype) for k, v in weights.items()})
@@ -168,14 +169,14 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     head = model.lm_head_weight()
     if head is not None:
         shapes.add((cfg.hidden_size, head.shape[0]))
-    packed = {s: prefer_packed(device, dtype, *s) for s in sorted(shapes)}
+    packed = {s: linear.prefer_packed(device, dtype, *s) for s in sorted(shapes)}
     mlp = (cfg.hidden_size, 2 * cfg.intermediate_size)
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
     dense = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    gemv_max = gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes) \
+    gemv_max = linear.gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes) \
         if dense or head is not None else 0   # nothing dense to multiply: no GEMV to measure
     if gemv_max and (dense or head is not None):   # one batch-1 step's matmul weights: the layers' and the LM head
-        configure_gemv_prefetch(dtype, dense + ([head] if head is not None else []))
+        linear.configure_gemv_prefetch(dtype, dense + ([head] if head is not None else []))
     if any(packed.values()) or gemv_max or quantized:
         model.cpu_linears(lambda k, n: packed.get((k, n), False), gemv_max)
     if isinstance(backend, CpuPagedAttention):
@@ -189,12 +190,10 @@ def batch_invariant_attention(model: LlamaForCausalLM) -> bool:
     where the matmuls are row-invariant too (``quant.row_invariant_matmuls``: the int8 kernel), the
     only case where that makes the whole model invariant. ``CONVEYOR_BATCH_INVARIANT=on|off``
     overrides (on: dense models too; their matmuls stay step-size dependent)."""
-    from conveyor.model.quant import row_invariant_matmuls
-
     forced = os.environ.get("CONVEYOR_BATCH_INVARIANT", "auto")
     if forced not in ("auto", "on", "off"):
         raise ValueError(f"CONVEYOR_BATCH_INVARIANT={forced!r}: expected auto, on or off")
-    return forced == "on" if forced != "auto" else row_invariant_matmuls(model)
+    return forced == "on" if forced != "auto" else quant.row_invariant_matmuls(model)
 
 
 def model_directory(path: Path, weights: bool = True) -> Path:
@@ -208,8 +207,6 @@ def model_directory(path: Path, weights: bool = True) -> Path:
 
 def load_tokenizer(model: str | Path | None = None):
     """Only the tokenizer of a model (what a front-end process needs)."""
-    from conveyor.tokenizer import Tokenizer
-
     return Tokenizer.from_hf_dir(model_directory(resolve_model_path(model), weights=False))
 
 
@@ -229,9 +226,6 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
     `quantization`: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 matmul weights as stored where the
     quantized kernels run (CPU, one rank), activations int8 where the CPU has VNNI; "weight-only"
     the same with fp32 activations; "none" dequantizes every tensor to `dtype`."""
-    from conveyor.model.quant import QUANTIZATIONS
-    from conveyor.tokenizer import Tokenizer
-
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = resolve_model_path(model)
@@ -245,12 +239,8 @@ def load_model(model: str | Path | None = None, device: str = "cpu",
         cfg.eos_token_ids = tuple(tokenizer.eos_token_ids)
     packed = None
     if native:
-        from conveyor.model.gguf_loader import gguf_native_weights
-        from conveyor.model.packed import PackedWeights
-        from conveyor.model.quant import int8_activations_for
-
         # The layout build_model chooses (int8 activations under `auto`), cached and mapped.
-        packed = PackedWeights.open(path, native, quantization == "auto" and int8_activations_for(dtype))
+        packed = PackedWeights.open(path, native, quantization == "auto" and quant.int8_activations_for(dtype))
         weights = gguf_native_weights(path, cfg, native, skip=packed.sources if packed is not None else ())
     else:
         weights = load_weights(directory)
@@ -269,9 +259,6 @@ def _return_freed_memory() -> None:
     """Give the memory that loading freed back to the system (glibc keeps freed blocks under 32 MiB
     in its heap: the file's plain blocks, dropped once concatenated and reordered, stayed resident,
     ~2 GB for an 8B model). Linux/glibc only; elsewhere a no-op."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         ctypes.CDLL(name).malloc_trim(0)
@@ -284,14 +271,10 @@ def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tup
     only where the kernels have their vector paths (the int8 kernel: AVX512-VNNI or AVX2; the others:
     AVX-512); asked for, anywhere they build. K-quants only under `auto` where the int8 kernel runs:
     they have only that kernel (a bf16 model's activations are rounded to int8 there too)."""
-    from conveyor.model.gguf_loader import gguf_tensor_types
-    from conveyor.model.probe_cache import cpu_info
-    from conveyor.model.quant import K_SUPER_BYTES, NATIVE_BLOCK_BYTES, int8_activations_native, native_available
-
     if not (path.is_file() and path.suffix == ".gguf") or tp is not None:
         return ()
     kernels = set(NATIVE_BLOCK_BYTES)
-    if auto and native_available(device, dtype) and int8_activations_native():
+    if auto and native_available(device, dtype) and quant.int8_activations_native():
         kernels |= set(K_SUPER_BYTES)   # fp32 or bf16 activations, rounded to int8 in the kernel
     try:
         types = tuple(sorted(gguf_tensor_types(path) & kernels))
@@ -300,7 +283,7 @@ def _native_types(path: Path, device, dtype: torch.dtype, tp, auto: bool) -> tup
     if types and not native_available(device, dtype):
         log.info("GGUF types %s dequantized at load: the quantized kernels do not run on %s/%s", types, device, dtype)
         return ()
-    if types and auto and not int8_activations_native() and "avx512f" not in cpu_info()[1]:
+    if types and auto and not quant.int8_activations_native() and "avx512f" not in probe_cache.cpu_info()[1]:
         # Without AVX-512 or AVX2 the kernels are scalar loops, slower than a dequantized model on MKL.
         log.info("GGUF types %s dequantized at load: no AVX-512 or AVX2 here (--quantization weight-only "
                  "forces the scalar quantized kernels)", types)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from conveyor.model.cpu_kernels import cpu_kernels
+
 
 class TorchOps:
     @staticmethod
@@ -71,7 +73,5 @@ class CpuFusedOps(TorchOps):
 
 
 def make_ops(device: torch.device | str, dtype: torch.dtype) -> TorchOps:
-    from conveyor.model.cpu_kernels import cpu_kernels
-
     kernels = cpu_kernels(device, dtype)
     return CpuFusedOps(kernels) if kernels is not None else TorchOps()

@@ -31,6 +31,8 @@ import logging
 import os
 from pathlib import Path
 
+import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -100,9 +102,7 @@ class PackedWeights:
         return self.hit
 
     def _map(self) -> None:
-        from safetensors import safe_open
-
-        with safe_open(str(self.file), framework="pt") as f:
+        with safetensors.safe_open(str(self.file), framework="pt") as f:
             meta = json.loads(f.metadata()["conveyor"])
             self.tensors = {k: QuantTensor(f.get_tensor(k), m["qtype"], int(m["in_features"]))
                             for k, m in meta["tensors"].items()}
@@ -127,8 +127,6 @@ class PackedWeights:
     def save_and_map(self) -> None:
         """Write the recorded tensors (atomically, under the file's lock), then point their modules
         at the mapped file, so that this process too holds them once, shared with later ones."""
-        from safetensors.torch import save_file
-
         if self.hit or not self.tensors:
             return
         meta = {"tensors": {k: {"qtype": w.qtype, "in_features": w.in_features} for k, w in self.tensors.items()},
@@ -136,8 +134,8 @@ class PackedWeights:
         tmp = self.file.with_name(f"{self.file.name}.tmp{os.getpid()}")
         try:
             self.file.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: w.data.contiguous() for k, w in self.tensors.items()}, str(tmp),
-                      metadata={"conveyor": json.dumps(meta)})
+            safetensors.torch.save_file({k: w.data.contiguous() for k, w in self.tensors.items()}, str(tmp),
+                                        metadata={"conveyor": json.dumps(meta)})
             os.replace(tmp, self.file)
         except OSError as e:   # a full or read-only disk: keep serving from memory
             log.warning("packed weights cache not written (%s)", e)

@@ -27,7 +27,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from conveyor.paths import cache_dir
+
+try:
+    import fcntl
+except ImportError:   # no flock here (Windows): the thread lock still holds
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +96,6 @@ def cpu_family() -> str:
 
 
 def machine_key() -> dict:
-    import torch
-
     model, flags = cpu_info()
     return {"cpu": model, "flags": sorted(flags & set(KEY_FLAGS)), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "version": VERSION}
@@ -116,10 +121,9 @@ def _file_lock(path: Path) -> Iterator[None]:
         return
     with f:
         try:
-            import fcntl
-
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except (ImportError, OSError):   # no flock here (Windows): the thread lock still holds
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:   # no flock on this file system: the thread lock still holds
             pass
         yield
 

@@ -30,9 +30,14 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from conveyor.model import linear
+from conveyor.model.cpu_kernels import cpu_kernels, load_cpu_kernels
+from conveyor.model.probe_cache import remembered
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +101,9 @@ def row_invariant_matmuls(model: nn.Module) -> bool:
     """Whether every matmul of `model` (its layers' and the LM head) gives each row the numbers it
     gets alone: all are QuantLinears on the int8 kernel, which serves every step size with one
     order of sums per row. Dense matmuls are not (oneDNN and the GEMV block by the step's size)."""
-    from conveyor.model.linear import CpuLinear
-
     if getattr(model, "tp", None) is not None:
         return False
-    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, CpuLinear, QuantLinear))]
+    linears = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, linear.CpuLinear, QuantLinear))]
     head = getattr(model, "cpu_lm_head", None)
     return bool(linears) and all(isinstance(m, QuantLinear) and m.x16 and not m.dense_from
                                  for m in [*linears, head])
@@ -150,22 +153,16 @@ class QuantTensor:
         kernels = _kernels()
         if kernels is not None and (self.x16 or not self.is_k):   # the kernels read plain K-quants only repacked
             return kernels.qdequant(self.data, self.in_features, dtype)
-        from gguf.constants import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        return torch.from_numpy(dequantize(self.data.numpy(), GGMLQuantizationType[self.qtype])).to(dtype)
+        data = gguf.quants.dequantize(self.data.numpy(), gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(data).to(dtype)
 
 
 def _kernels():
-    from conveyor.model.cpu_kernels import load_cpu_kernels
-
     return load_cpu_kernels()
 
 
 def native_available(device: str | torch.device, dtype: torch.dtype) -> bool:
     """Whether quantized matmuls can run here: CPU, fp32 or bf16 activations, the C++ kernels built."""
-    from conveyor.model.cpu_kernels import cpu_kernels
-
     return cpu_kernels(device, dtype) is not None
 
 
@@ -199,8 +196,6 @@ def dense_tokens(dtype: torch.dtype, qtype: str, in_features: int, out_features:
     `copy`, prepacked where that pays, else widening the weight on each call); 0: never. Measured
     once per machine (interleaved, a margin) and remembered; ``CONVEYOR_QUANT_DENSE=never|always``
     overrides, for comparisons."""
-    from conveyor.model.probe_cache import remembered
-
     forced = os.environ.get("CONVEYOR_QUANT_DENSE", "auto")
     if forced == "never":
         return 0
@@ -214,10 +209,8 @@ def dense_module(weight: QuantTensor, dtype: torch.dtype) -> nn.Module:
     """The held dense copy (no bias: the QuantLinear adds its own): a CpuLinear on oneDNN's
     prepacked layout where that is faster for this shape, else on the plain weight (F.linear);
     never the GEMV (small steps stay quantized)."""
-    from conveyor.model.linear import CpuLinear, prefer_packed
-
-    packed = prefer_packed("cpu", dtype, weight.in_features, weight.out_features)
-    return CpuLinear(weight.dequantize(dtype), None, packed, 0)
+    packed = linear.prefer_packed("cpu", dtype, weight.in_features, weight.out_features)
+    return linear.CpuLinear(weight.dequantize(dtype), None, packed, 0)
 
 
 def _random_quant(qtype: str, in_features: int, out_features: int) -> QuantTensor:
@@ -231,8 +224,6 @@ def _random_quant(qtype: str, in_features: int, out_features: int) -> QuantTenso
 
 
 def _measure_dense(dtype: torch.dtype, qtype: str, in_features: int, out_features: int, copy: bool) -> int:
-    from conveyor.model.linear import _ratio
-
     kernels = _kernels()
     if kernels is None:
         return 1
@@ -245,7 +236,7 @@ def _measure_dense(dtype: torch.dtype, qtype: str, in_features: int, out_feature
     ratios, chosen = {}, 0
     for tokens in DENSE_PROBE_TOKENS:
         x = torch.randn(tokens, in_features, dtype=dtype)
-        ratios[tokens] = _ratio(lambda: kernels.qgemv(x, qt.data, None), lambda: dense(x))
+        ratios[tokens] = linear._ratio(lambda: kernels.qgemv(x, qt.data, None), lambda: dense(x))
     # The first count from which the dense path wins at every larger one.
     for tokens in reversed(DENSE_PROBE_TOKENS):
         if ratios[tokens] <= DENSE_MARGIN:
@@ -286,11 +277,10 @@ class QuantLinear(nn.Module):
         matmul: one pass of the quantized kernel, below the count where it goes dense; in the
         interleaved (int8) layout up to FUSED_INT8_TOKENS, in passes of 8 whose second pass over a
         group of 16 rows finds its bytes still in L1."""
-        from conveyor.model.linear import MAX_GEMV_TOKENS
-
         if self.x16 and not self.dense_from:
             return FUSED_INT8_TOKENS
-        return MAX_GEMV_TOKENS if not self.dense_from else min(MAX_GEMV_TOKENS, self.dense_from - 1)
+        most = linear.MAX_GEMV_TOKENS
+        return most if not self.dense_from else min(most, self.dense_from - 1)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, {self.qtype}, int8={self.x16}, dense_from={self.dense_from}"

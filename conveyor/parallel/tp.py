@@ -29,14 +29,19 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from conveyor.kv.layout import KVLayout
+from conveyor.model.loader import load_model
 from conveyor.model.shard import Shard, head_ranges, split  # noqa: F401 - re-exported
+from conveyor.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -153,18 +158,18 @@ class _RayRankProcess:
         self.actor, self.done = actor, done
 
     def join(self, timeout: float | None = None) -> None:
-        import ray
+        import ray   # lazy: optional dependency (ray)
 
         ray.wait([self.done], timeout=timeout)
 
     def is_alive(self) -> bool:
-        import ray
+        import ray   # lazy: optional dependency (ray)
 
         ready, _ = ray.wait([self.done], timeout=0)
         return not ready
 
     def kill(self) -> None:
-        import ray
+        import ray   # lazy: optional dependency (ray)
 
         ray.kill(self.actor, no_restart=True)
 
@@ -179,8 +184,7 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
     (removed at close). The rendezvous is this node's address and a free port: no master address to
     type. Nothing waits forever: the actors must be placed and answer, and the group form, within
     RAY_PLACEMENT_TIMEOUT_S each, and a rank that ends before the group forms fails the start."""
-    import threading
-
+    # lazy: optional dependency (ray)
     import ray
     from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -254,9 +258,7 @@ def _start_ray_group(world: int, device: str, cpus: int) -> TPGroup:
         if failed:
             raise failed[0]
         # Formed: rank 0's collectives get the usual timeout (the other ranks joined with it).
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(_TIMEOUT)
+        dist.distributed_c10d._set_pg_timeout(_TIMEOUT)
     except BaseException:
         undo()
         raise
@@ -280,8 +282,6 @@ class WorkerSetup:
 
 
 def _spawned_worker(rank: int, world: int, init_method: str, device: str, log_level: int) -> None:
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the driver decides when the group stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _join_and_serve(rank, world, init_method, device, log_level, cuda_index=rank)
@@ -310,10 +310,6 @@ def run_worker_from_env(device: str = "cpu") -> int:
 
 def _serve_steps(group: TPGroup) -> None:
     """Every rank but 0: build its slice, then run what the driver broadcasts until it says stop."""
-    from conveyor.kv.layout import KVLayout
-    from conveyor.model.loader import load_model
-    from conveyor.runner.model_runner import ModelRunner
-
     try:
         setup: WorkerSetup = group.broadcast(None)
         if setup is None:

@@ -19,6 +19,7 @@ there makes sampling reproducible whatever batch or actor the row lands in). Out
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ class ConveyorProcessor:
     def __init__(self, engine_options: dict | None = None, sampling_params: dict | None = None,
                  prompt_column: str = "prompt", token_ids_column: str = "prompt_token_ids",
                  params_column: str = "sampling_params"):
-        from conveyor.engine.llm import LLM
+        from conveyor.engine.llm import LLM   # lazy: keeps torch out of the ray.data driver (the actors load it)
 
         self.llm = LLM(**(engine_options or {}))
         self.default = dict(sampling_params or {})
@@ -82,8 +83,6 @@ def process(ds: Any, engine_options: dict | None = None, *, sampling_params: dic
 
 
 def _int_fields() -> frozenset[str]:
-    from dataclasses import fields
-
     return frozenset(f.name for f in fields(SamplingParams) if "int" in str(f.type) and "float" not in str(f.type))
 
 

@@ -27,19 +27,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Callable
 
-from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Overloaded, RequestStream
+from conveyor.config import EngineConfig, config_from_args
+from conveyor.engine.async_engine import AsyncEngine, Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.data_parallel import replica_config
+from conveyor.engine.inputs import InputProcessor, grammar_backend
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.process_engine import ProcessEngine
 from conveyor.engine.stats import EngineStats
+from conveyor.kv.events import offset_endpoint
+from conveyor.model.loader import load_tokenizer
+from conveyor.routing import Router
 from conveyor.sampling.params import SamplingParams
+from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
+from conveyor.server.app import build_app
+from conveyor.server.cli import read_chat_template
+from conveyor.server.config import server_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +99,7 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, max_waiting: int | None = None, engine_process: bool = False,
                  chat_template: str | None = None):
-        from ray import serve
+        from ray import serve   # lazy: optional dependency (ray)
 
         context = serve.get_replica_context()
         self.tag = context.replica_id.unique_id
@@ -101,12 +113,8 @@ class EngineReplica:
             logger.info("tensor-parallel ranks placed by Ray: the engine runs in the replica's own process")
             engine_process = False
         if engine_process:
-            from conveyor.engine.process_engine import ProcessEngine
-
             self.engine = ProcessEngine(config, max_waiting=max_waiting)
         else:
-            from conveyor.engine.async_engine import AsyncEngine
-
             self.engine = AsyncEngine.from_config(config, max_waiting=max_waiting)
         if chat_template:
             self.engine.tokenizer.chat_template = chat_template
@@ -127,8 +135,6 @@ class EngineReplica:
         try:
             stream = self.engine.add_request(prompt, params, request_id, priority, validated=True)
         except Overloaded as e:
-            from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
-
             yield self.tag, self.engine.stats(), error_output(request_id, str(e), code=QUEUE_TIMEOUT)
             return
         except EngineDeadError as e:
@@ -153,11 +159,9 @@ class EngineReplica:
     def engine_kv_events(self) -> dict | None:
         """Where this replica publishes KV events (None: off): its dp_rank, its node's address and
         the endpoints it bound (the configured ports + its rank), for a subscriber to connect to."""
-        from conveyor.kv.events import offset_endpoint
-
         if not self.config.kv_events_endpoint:
             return None
-        import ray
+        import ray   # lazy: optional dependency (ray)
 
         return {"dp_rank": self.rank, "node_ip": ray.util.get_node_ip_address(),
                 "endpoint": offset_endpoint(self.config.kv_events_endpoint, self.rank),
@@ -195,9 +199,6 @@ class RayEngineClient:
     """
 
     def __init__(self, handle: Any, info: dict):
-        from conveyor.engine.inputs import InputProcessor, grammar_backend
-        from conveyor.model.loader import load_tokenizer
-
         self._generate = handle.options(stream=True).generate
         self.model_name, self.max_model_len = info["model_name"], info["max_model_len"]
         self.dtype = info.get("dtype")
@@ -332,15 +333,14 @@ def _own_serve_request_id() -> None:
     hand a replica chosen for one prompt to another) matches routed replicas to pending calls by that
     id: the prompts of one request (n prompts, or best-of siblings) would collide and wait forever.
     Private Serve API (ray.serve.context, Ray 2.60); the task's context is its own copy."""
-    import uuid
-
-    from ray.serve import context
+    from ray.serve import context   # lazy: optional dependency (ray)
 
     current = context._get_serve_request_context()
     context._serve_request_context.set(replace(current, _internal_request_id=uuid.uuid4().hex))
 
 
 def _actor_died(e: BaseException) -> bool:
+    # lazy: optional dependency (ray)
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
@@ -357,8 +357,6 @@ class IngressReplica:
         self.client: RayEngineClient | None = None
 
     async def __serve_build_asgi_app__(self):
-        from conveyor.server.app import build_app
-
         info = await self._handle.info.remote()
         self.client = RayEngineClient(self._handle, info)
         return build_app(self.client, **{"log_interval": 0, **self._app_options})
@@ -367,9 +365,7 @@ class IngressReplica:
 # ---- the request router ------------------------------------------------------------------------
 
 def _prefix_router_class():
-    from ray.serve.request_router import RequestRouter
-
-    from conveyor.routing import Router
+    from ray.serve.request_router import RequestRouter   # lazy: optional dependency (ray)
 
     class PrefixRouter(RequestRouter):
         """Conveyor's routing policy over Serve's replicas: the prompt's token ids (the first argument
@@ -462,7 +458,8 @@ def build_application(config: EngineConfig, *, num_replicas: int | str | None = 
                       engine_process: bool = False, chat_template: str | None = None,
                       app_options: dict | None = None, ingress_replicas: int = 1):
     """The Serve application: `ConveyorIngress` (HTTP) -> `ConveyorEngine` (num_replicas engines).
-    `app_options`: keyword arguments of ``build_app`` (api_key, served_model_names, ...)."""
+    `app_options`: ServerConfig fields for ``build_app`` (api_key, served_model_name, ...)."""
+    # lazy: optional dependency (ray)
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -501,6 +498,7 @@ def app_builder(args: dict) -> Any:
 def run(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
         blocking: bool = False, **kw: Any) -> Any:
     """Start (or connect to, with RAY_ADDRESS) Ray, start Serve's HTTP proxy on host:port and deploy."""
+    # lazy: optional dependency (ray)
     import ray
     from ray import serve
 
@@ -510,41 +508,36 @@ def run(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, name
     return serve.run(build_application(config, **kw), name=name, route_prefix="/", blocking=blocking)
 
 
+# What the ingress's app takes from `conveyor serve --ray`'s server flags (the rest act on Ray or the engines).
+_INGRESS_OPTIONS = ("served_model_name", "api_key", "max_body_bytes", "shutdown_timeout", "tool_call_parser",
+                    "allowed_origins", "reasoning_parser", "responses_max_stored", "responses_max_stored_bytes")
+
+
 def serve_from_cli(args: Any) -> int:
     """``conveyor serve --ray``: `--data-parallel-size` engine replicas on Ray Serve, Conveyor's API on
     Serve's HTTP proxy at --host/--port; blocks until Ctrl-C / SIGTERM, then shuts the app down."""
-    import signal
-    import threading
-
-    from conveyor.config import config_from_args
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = server_config_from_args(args)
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args, model=args.model)
 
     try:
+        # lazy: optional dependency (ray)
         import ray
         from ray import serve
     except ImportError as e:
         raise SystemExit("--ray needs Ray Serve: pip install 'conveyor[ray]'") from e
     template = None
-    if args.chat_template:
-        from conveyor.server.cli import read_chat_template
-
-        template = read_chat_template(args.chat_template)
-    app_options = {"served_model_names": args.served_model_name, "api_key": args.api_key,
-                   "max_body_bytes": args.max_body_bytes, "shutdown_timeout": args.shutdown_timeout,
-                   "tool_call_parser": args.tool_call_parser, "allowed_origins": args.allowed_origins,
-                   "reasoning_parser": args.reasoning_parser,
-                   "responses_max_stored": args.responses_max_stored,
-                   "responses_max_stored_bytes": args.responses_max_stored_bytes}
+    if server.chat_template:
+        template = read_chat_template(server.chat_template)
+    app_options = {name: getattr(server, name) for name in _INGRESS_OPTIONS}
     stop = threading.Event()   # Ctrl-C / SIGTERM, even while deploying: finish deploying, then remove the app
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    run(config, host=args.host, port=args.port, num_replicas=args.data_parallel_size, router=args.router,
-        max_waiting=args.max_waiting or None, engine_process=args.engine_process, chat_template=template,
+    run(config, host=server.host, port=server.port, num_replicas=server.data_parallel_size, router=server.router,
+        max_waiting=server.max_waiting or None, engine_process=server.engine_process, chat_template=template,
         app_options=app_options)
     logger.info("Conveyor on Ray Serve: %d engine replica(s), the API at http://%s:%d",
-                args.data_parallel_size, args.host, args.port)
+                server.data_parallel_size, server.host, server.port)
     stop.wait()
     serve.delete(APP_NAME)
     ray.shutdown()

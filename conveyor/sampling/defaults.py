@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gguf import GGUFReader
+
 from conveyor.paths import cache_dir, gguf_file_key
 from conveyor.sampling.params import SamplingParams
 
@@ -77,8 +79,6 @@ def _gguf_sampling(path: Path) -> dict[str, Any]:
     cached = cache_dir() / "gguf-sampling" / f"{path.stem}-{gguf_file_key(path)}.json"
     if cached.exists():
         return json.loads(cached.read_text())
-    from gguf import GGUFReader   # only on a file's first start
-
     out = {GGUF_KEYS[k]: f.contents() for k, f in GGUFReader(path).fields.items() if k in GGUF_KEYS and f.types}
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".{os.getpid()}.tmp")   # replicas starting together: no half-written file

@@ -39,7 +39,7 @@ def _invalid(message: str) -> InvalidRequestError:
 class StructuredOutputsParams:
     """Exactly one constraint (vLLM's names)."""
 
-    json: dict | str | None = None          # a JSON schema (dict or its text)
+    json: dict | bool | str | None = None   # a JSON schema (dict or its text; true: any JSON)
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None              # Lark (llguidance's dialect) or GBNF (has "::=")
@@ -71,7 +71,7 @@ class StructuredOutputsParams:
 
     def to_grammar(self) -> str:
         """The llguidance grammar (its JSON form) for this constraint."""
-        from llguidance import LLMatcher, gbnf_to_lark
+        from llguidance import LLMatcher, gbnf_to_lark   # lazy: keeps llguidance out of the CLI's start-up
 
         kind = self.kind
         if kind == "json":
@@ -102,7 +102,7 @@ class GrammarBackend:
 
     def _tokenizer(self):
         if self._tok is None:   # ~0.2 s for a 49k vocabulary: only once something is constrained
-            from llguidance import LLExecutor, LLTokenizer
+            from llguidance import LLExecutor, LLTokenizer   # lazy: keeps llguidance out of the CLI's start-up
 
             self._tok = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
             self._executor = LLExecutor()
@@ -110,7 +110,7 @@ class GrammarBackend:
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled prototype matcher (cached by the constraint's text); ValueError if invalid."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher   # lazy: keeps llguidance out of the CLI's start-up
 
         key = params.key()
         with self._lock:
@@ -137,7 +137,7 @@ class GrammarBackend:
     def validate(self, params: StructuredOutputsParams) -> None:
         """ValueError if the constraint cannot be compiled; the front end's check, without building
         the matcher (the engine core compiles it, once, when the request arrives there)."""
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher   # lazy: keeps llguidance out of the CLI's start-up
 
         if params.key() in self._cache:
             return
@@ -191,7 +191,7 @@ class GrammarBackend:
 
     def fill_bitmasks(self, matchers: list) -> Any:
         """An int32 tensor ``[len(matchers), ceil(vocab / 32)]``: bit t of row i set = token t allowed."""
-        import torch
+        import torch   # lazy: keeps torch out of the torch-free units
 
         mask = torch.empty((len(matchers), self.mask_words), dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
@@ -205,7 +205,7 @@ class GrammarBackend:
 
 def apply_bitmask(logits: Any, rows: list[int], bitmask: Any) -> None:
     """In place: logits[rows[i], t] = the dtype's lowest value where bit t of bitmask[i] is clear."""
-    import torch
+    import torch   # lazy: keeps torch out of the torch-free units
 
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.async_engine import EngineClient
@@ -16,8 +17,9 @@ from conveyor.server import observe
 from conveyor.server.anthropic import register_anthropic_routes
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
+from conveyor.server.config import ServerConfig
 from conveyor.server.embeddings import create_embedding
-from conveyor.server.responses import MAX_STORED_BYTES, MAX_STORED_RESPONSES, ResponseStore, register_responses
+from conveyor.server.responses import ResponseStore, register_responses
 from conveyor.server.scoring import register_scoring_routes
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
@@ -28,23 +30,17 @@ from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeResponse)
 from conveyor.server.state import ServerState
 
-MAX_BODY_BYTES = 4 << 20
 
-
-def build_app(client: EngineClient, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, log_interval: float = 10.0,
-              shutdown_timeout: float = 30.0, tool_call_parser: str = "hermes",
-              allowed_origins: list[str] | None = None, reasoning_parser: str | None = None,
-              log_requests: bool = False, log_request_text: bool = False, tracer_provider: Any = None,
-              responses_max_stored: int = MAX_STORED_RESPONSES,
-              responses_max_stored_bytes: int = MAX_STORED_BYTES) -> FastAPI:
-    """An app serving `client`; on lifespan shutdown it shuts the engine down too. `log_requests`: one
-    JSON line per API request on the `conveyor.requests` logger (`log_request_text`: with the prompt and
-    output); `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request;
-    `responses_max_stored` / `_bytes`: the bounds of the stored Responses' LRU (response_store.py)."""
-    names = list(served_model_names or [client.model_name])
-    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]), tool_call_parser,
-                        reasoning_parser)
+def build_app(client: EngineClient, config: ServerConfig | None = None, *, tracer_provider: Any = None,
+              **options: Any) -> FastAPI:
+    """An app serving `client` as `config` says (server/config.py; `options`: keyword overrides of its
+    fields, e.g. ``log_interval=0``); on lifespan shutdown it shuts the engine down too.
+    `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request. Fields that
+    only the command line acts on (host, port, the engine's process and replicas) are ignored here."""
+    config = (config or ServerConfig()).replace(**options)
+    names = list(config.served_model_name or [client.model_name])
+    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]),
+                        config.tool_call_parser, config.reasoning_parser)
     replicas = getattr(client, "replicas", None)   # data parallel: each replica's requests under its index
     if isinstance(replicas, list) and all(hasattr(r, "add_finished_listener") for r in replicas):
         for r, listener in zip(replicas, state.metrics.finished_listeners(len(replicas))):
@@ -54,27 +50,27 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        logger_task = asyncio.create_task(log_stats(client.stats, log_interval)) if log_interval > 0 else None
+        logger_task = (asyncio.create_task(log_stats(client.stats, config.log_interval))
+                       if config.log_interval > 0 else None)
         try:
             yield
         finally:
             if logger_task is not None:
                 logger_task.cancel()
-            await client.shutdown(shutdown_timeout)
+            await client.shutdown(config.shutdown_timeout)
 
     app = FastAPI(title="Conveyor", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.conveyor = state
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(InternalErrorMiddleware)
-    if log_requests or tracer_provider is not None:
-        observe.install(app, client, names[0], log_requests, log_request_text, tracer_provider)
-    if allowed_origins:   # browsers' preflight OPTIONS answered before the API key check (added last = runs first)
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
+    if config.logs_requests or tracer_provider is not None:
+        observe.install(app, client, names[0], config.logs_requests, config.log_request_text, tracer_provider)
+    if config.allowed_origins:   # browsers' preflight OPTIONS answered before the API key check (added last = runs first)
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -84,7 +80,7 @@ def build_app(client: EngineClient, *, served_model_names: list[str] | None = No
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
 
-    register_responses(app, state, ResponseStore(responses_max_stored, responses_max_stored_bytes))
+    register_responses(app, state, ResponseStore(config.responses_max_stored, config.responses_max_stored_bytes))
 
     register_anthropic_routes(app, state)
 

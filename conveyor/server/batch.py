@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from conveyor.config import add_engine_args, config_from_args
+from conveyor.server.cli import read_chat_template
+
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
 
@@ -117,7 +120,7 @@ async def run_lines(app: Any, lines: Iterable[BatchLine], out: TextIO, max_concu
                     progress: Any = None, stop_after: int | None = None) -> tuple[int, int]:
     """Answer `lines` through `app`, appending each record to `out` as it completes; (written, failed).
     `stop_after`: stop (as if killed) once that many are written, in-flight lines unanswered."""
-    import httpx
+    import httpx   # lazy: optional dependency (httpx)
 
     todo = iter(lines)
     written = failed = 0
@@ -170,7 +173,7 @@ async def run_batch(app: Any, input_path: Path, output_path: Path, max_concurren
     todo = [line for line in lines if line.custom_id not in done]
     progress = None
     if show_progress:
-        from tqdm import tqdm
+        from tqdm import tqdm   # lazy: keeps tqdm out of the CLI's start-up
 
         progress = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="req", desc="run-batch")
     try:
@@ -185,8 +188,6 @@ async def run_batch(app: Any, input_path: Path, output_path: Path, max_concurren
 # ---- command line ---------------------------------------------------------------------------------
 
 def add_run_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from conveyor.config import add_engine_args
-
     p = subparsers.add_parser(
         "run-batch", help="answer a JSONL file of API requests offline (OpenAI Batch format)",
         description="Answer each line of an OpenAI Batch input file ({custom_id, method, url, body}) as the server "
@@ -207,10 +208,9 @@ def add_run_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from conveyor.config import config_from_args
+    # lazy: keeps torch out of the CLI's start-up
     from conveyor.engine.async_engine import AsyncEngine
     from conveyor.server.app import build_app
-    from conveyor.server.cli import read_chat_template
 
     input_path, output_path = Path(args.input_file), Path(args.output_file)
     if input_path.resolve() == output_path.resolve():
@@ -221,7 +221,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     try:
         if args.chat_template:
             engine.tokenizer.chat_template = read_chat_template(args.chat_template)
-        app = build_app(engine, served_model_names=args.served_model_name, log_interval=0)
+        app = build_app(engine, served_model_name=args.served_model_name, log_interval=0)
         concurrency = args.max_concurrency or 4 * config.scheduler.max_num_seqs
         summary = asyncio.run(run_batch(app, input_path, output_path, concurrency,
                                         show_progress=not args.no_progress and os.isatty(2)))

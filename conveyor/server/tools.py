@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.sampling.structured import JSON_STYLE, StructuredOutputsParams
+from conveyor.server.config import TOOL_CALL_PARSERS
 from conveyor.server.errors import bad_request
 
-PARSERS = ("hermes", "json")
+PARSERS = TOOL_CALL_PARSERS
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 DEFAULT_TOOL_PROMPT = (

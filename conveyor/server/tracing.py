@@ -23,7 +23,7 @@ SPAN_NAME = "llm_request"
 
 def _otel(what: str):
     try:
-        from opentelemetry import propagate, trace
+        from opentelemetry import propagate, trace   # lazy: optional dependency (opentelemetry)
     except ImportError as e:
         raise RuntimeError(f"{what} needs OpenTelemetry, which is not installed: "
                            "pip install 'conveyor[otel]'") from e
@@ -34,6 +34,7 @@ def make_tracer_provider(endpoint: str, service_name: str = "conveyor") -> Any:
     """A TracerProvider exporting over OTLP/HTTP to `endpoint` (a bare http://host:4318 gets /v1/traces);
     OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES are honoured."""
     try:
+        # lazy: optional dependency (opentelemetry)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -54,7 +55,7 @@ class RequestTracer:
 
     def __init__(self, tracer_provider: Any):
         self._trace, self._propagate = _otel("tracing")
-        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace import SpanKind, Status, StatusCode   # lazy: optional dependency (opentelemetry)
 
         self._kind, self._status, self._error = SpanKind.SERVER, Status, StatusCode.ERROR
         self.tracer = tracer_provider.get_tracer("conveyor")

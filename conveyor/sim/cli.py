@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from conveyor.config import EngineConfig, add_engine_args, config_from_args, option_names
+from conveyor.engine.trace import StepTracer
 from conveyor.paths import profile_path
 from conveyor.routing import ALIASES, POLICIES
 from conveyor.scheduler.costs import CostModel, StepCostModel
@@ -225,7 +226,7 @@ SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arriv
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """--validate TRACE [TRACE ...] [--calibrate OUT]: the cost model against real engine step traces."""
-    from conveyor.engine.trace import StepTracer
+    # lazy: keeps numpy out of the torch-free units
     from conveyor.sim.validate import calibrate, format_errors, validate
 
     setup = Setup(args)
