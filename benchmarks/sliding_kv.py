@@ -38,7 +38,7 @@ def run(model: str, hybrid: bool, prompts: list[list[int]], params: SamplingPara
     """All prompts at once; per step the running sequences and blocks in use."""
     with LLM(model, cost_model="none", hybrid_kv_cache=hybrid, **options) as llm:
         eng = llm.engine
-        ids = [eng.add_request(eng.process_inputs({"prompt_token_ids": p}, params)) for p in prompts]
+        ids = [eng.add_request(eng.inputs.process({"prompt_token_ids": p}, params)) for p in prompts]
         outs: dict[str, list[int]] = {}
         peak_running = peak_used = steps = 0
         start = time.perf_counter()
@@ -70,7 +70,7 @@ def decode_steps_ms(model: str, dtype: str, reps: int = 12, steps: int = 15) -> 
     try:
         for llm in llms.values():
             eng = llm.engine
-            eng.add_request(eng.process_inputs({"prompt_token_ids": list(range(100, 164))}, params))
+            eng.add_request(eng.inputs.process({"prompt_token_ids": list(range(100, 164))}, params))
             for _ in range(5):
                 eng.step()
         for r in range(reps):

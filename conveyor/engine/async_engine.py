@@ -25,7 +25,7 @@ from conveyor.config import EngineConfig
 from conveyor.engine.core import EngineDeadError, SeqUpdate
 from conveyor.engine.engine import Engine, EngineBackend
 from conveyor.engine.frontend import FrontEnd
-from conveyor.engine.inputs import ProcessedInput
+from conveyor.engine.inputs import InputProcessor, ProcessedRequest
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
@@ -50,11 +50,10 @@ class EngineClient(Protocol):
     max_model_len: int
     tokenizer: Tokenizer
     generation_defaults: dict   # the model's default sampling fields (conveyor/sampling/defaults.py)
+    inputs: InputProcessor      # every check a request gets, in the caller's process (engine/inputs.py)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0, validated: bool = False) -> RequestStream: ...
+    def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
+                    request_id: str, priority: int = 0) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -234,6 +233,7 @@ class StreamingClient:
         self.max_waiting = max_waiting
         self.frontend = frontend
         self.tokenizer: Tokenizer = frontend.tokenizer
+        self.inputs: InputProcessor = frontend.inputs
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._lock = threading.Lock()
         self._shared = _Shared(stats=stats)
@@ -241,16 +241,12 @@ class StreamingClient:
         self._error: BaseException | None = None
 
     # ---- caller side (any thread with a running event loop) -------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """InvalidRequestError if the request can never run (pass validated=True to add_request after)."""
-        self.frontend.inputs.validate(prompt_token_ids, params)
-
-    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None,
-                    request_id: str, priority: int = 0, validated: bool = False) -> RequestStream:
-        """Queue a request; raises InvalidRequestError if it cannot run (unless `validated`: the caller ran
-        validate() on it), Overloaded when `max_waiting` sequences already wait."""
-        if not isinstance(prompt, ProcessedInput):   # tokenization: outside the lock
-            prompt = self.frontend.process_inputs(prompt, params, validated)
+    def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
+                    request_id: str, priority: int = 0) -> RequestStream:
+        """Queue a request; raises InvalidRequestError if it cannot run (a ProcessedRequest, from
+        ``inputs.process``, is not checked again), Overloaded when `max_waiting` sequences already wait."""
+        if not isinstance(prompt, ProcessedRequest):   # tokenization: outside the lock
+            prompt = self.inputs.process(prompt, params)
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._error is not None or not self._accepting:

@@ -42,6 +42,7 @@ from conveyor import routing
 from conveyor.config import EngineConfig
 from conveyor.engine.async_engine import Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
+from conveyor.engine.inputs import ProcessedRequest
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.process_engine import ProcessEngine
 from conveyor.engine.stats import EngineStats
@@ -102,6 +103,7 @@ class DataParallelEngine:
         first = started[0]
         self.model_name, self.max_model_len, self.tokenizer = first.model_name, first.max_model_len, first.tokenizer
         self.dtype, self.generation_defaults = first.dtype, first.generation_defaults
+        self.inputs = first.inputs   # one model: a request processed here is valid on every replica
         self.router = Router(router, config.block_size, balance_slack=balance_slack)
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}   # request id -> replica, while unfinished
@@ -113,23 +115,22 @@ class DataParallelEngine:
             self.events = KVEventListener(listen, config.kv_events_topic, self._learn)
 
     # ---- EngineClient ------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.replicas[0].validate(prompt_token_ids, params)
-
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0, validated: bool = False) -> RequestStream:
-        ids = self._token_ids(prompt)
+    def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
+                    request_id: str, priority: int = 0) -> RequestStream:
+        """Processed once here (tokenized: the router reads the token ids), then sent to one replica."""
+        if not isinstance(prompt, ProcessedRequest):
+            prompt = self.inputs.process(prompt, params)
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"duplicate request id {request_id!r}")
             loads = self.loads()
-            order = [self.router.choose(ids, loads, _cache_salt(prompt))]
+            order = [self.router.choose(prompt.prompt_token_ids, loads, prompt.cache_salt)]
             order += sorted((i for i, load in enumerate(loads) if load is not None and i != order[0]),
                             key=lambda i: loads[i])
             last: Exception | None = None
             for i in order:   # the router's choice; if it is full, the least loaded others
                 try:
-                    stream = self.replicas[i].add_request(prompt, params, request_id, priority, validated)
+                    stream = self.replicas[i].add_request(prompt, None, request_id, priority)
                 except (Overloaded, EngineDeadError) as e:
                     last = e
                     continue
@@ -212,17 +213,6 @@ class DataParallelEngine:
     def _forget(self, out: RequestOutput) -> None:
         with self._lock:
             self._owner.pop(out.request_id, None)
-
-    def _token_ids(self, prompt: str | list[int] | dict) -> list[int]:
-        """The prompt's token ids for routing (the server already tokenized; offline text is encoded here)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                return list(ids) if isinstance(ids, (list, tuple)) else []
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt) if isinstance(prompt, (list, tuple)) else []
 
 
 def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig, list[str] | None, str | None]:
@@ -312,9 +302,3 @@ class KVEventListener:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def _cache_salt(prompt: str | list[int] | dict) -> str | None:
-    """A dict prompt's cache salt for routing (an invalid one: None here; the replica rejects the request)."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    return salt if isinstance(salt, str) and salt else None

@@ -21,7 +21,7 @@ import torch
 from conveyor.config import EngineConfig
 from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate, metrics_snapshot
 from conveyor.engine.frontend import FrontEnd
-from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedInput,  # noqa: F401 - re-exported
+from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedRequest,  # noqa: F401 - re-exported
                                     grammar_backend)
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
@@ -44,7 +44,7 @@ from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, preemption_costs
 from conveyor.scheduler.scheduler import Scheduler
 
-__all__ = ["Engine", "EngineBackend", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedInput"]
+__all__ = ["Engine", "EngineBackend", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedRequest"]
 
 GIB = 1 << 30
 logger = logging.getLogger(__name__)
@@ -222,8 +222,7 @@ class EngineBackend:
     def input_processor(self) -> InputProcessor:
         """Validation against this engine's model, for a front end (here or in another process)."""
         return InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                              self.model_config.eos_token_ids, self.grammars,
-                              SamplingParams(**self.generation_defaults))
+                              self.model_config.eos_token_ids, self.grammars, self.generation_defaults)
 
 
 class Engine(EngineBackend):
@@ -236,15 +235,12 @@ class Engine(EngineBackend):
     def new_request_id(self) -> str:
         return self.frontend.new_request_id()
 
-    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None) -> ProcessedInput:
-        """Tokenize and validate a prompt; raises InvalidRequestError (a ValueError) saying why it cannot run."""
-        return self.frontend.process_inputs(prompt, params)
+    @property
+    def inputs(self) -> InputProcessor:
+        """Input processing (tokenization, every check): ``inputs.process(prompt, params)`` -> a ProcessedRequest."""
+        return self.frontend.inputs
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError with a clear message if the request can never run."""
-        self.frontend.inputs.validate(prompt_token_ids, params)
-
-    def add_request(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; raises InvalidRequestError (nothing is queued) if it cannot run."""
         if self.core.dead:

@@ -16,7 +16,7 @@ import numbers
 import random
 
 from conveyor.engine.core import SeqUpdate
-from conveyor.engine.inputs import InputProcessor, InvalidRequestError, ProcessedInput
+from conveyor.engine.inputs import InputProcessor, InvalidRequestError, ProcessedRequest
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.wire import EngineRequest, Finish
@@ -38,14 +38,10 @@ class FrontEnd:
         self._next_id += 1
         return str(self._next_id - 1)
 
-    def process_inputs(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                       validated: bool = False) -> ProcessedInput:
-        return self.inputs.process(prompt, params, validated)
-
-    def register(self, prompt: str | list[int] | dict | ProcessedInput, params: SamplingParams | None,
+    def register(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
                  request_id: str | None, priority: int, arrival_time: float) -> EngineRequest:
-        """Validate (unless already processed) and register a request; raises InvalidRequestError."""
-        inp = prompt if isinstance(prompt, ProcessedInput) else self.process_inputs(prompt, params)
+        """Register a request, processing it first unless it is a ProcessedRequest; raises InvalidRequestError."""
+        inp = prompt if isinstance(prompt, ProcessedRequest) else self.inputs.process(prompt, params)
         if not (isinstance(priority, numbers.Integral) and not isinstance(priority, bool)):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
         request_id = request_id if request_id is not None else self.new_request_id()

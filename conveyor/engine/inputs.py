@@ -1,9 +1,12 @@
-"""Input processing, once, in the front end: a prompt -> token ids -> a validated request.
+"""Input processing, once, in the front end: a prompt -> token ids -> a ProcessedRequest.
 
-Runs in the caller's process (the server's for ``conveyor serve``, the caller's for ``LLM``):
-tokenization, the prompt's shape and length, token ids inside the vocabulary, stop strings and
-grammars compiled (so that a bad one is the caller's error, not the engine's). The engine core
-then only asserts the structure it relies on. No torch here.
+One ``InputProcessor`` per engine client, called by every API route (through server/inputs.py's
+``process_request``, with the route's parameter names) and by ``LLM``. It runs in the caller's
+process (the server's for ``conveyor serve``, the caller's for ``LLM``): tokenization, truncation,
+the prompt's shape and length against the context, max_tokens under the API's rules, token ids
+inside the vocabulary, stop strings and grammars compiled (so that a bad one is the caller's error,
+not the engine's). A refusal is an InvalidRequestError naming the parameter (and a code). The engine
+core then only asserts the structure it relies on. No torch here.
 """
 
 from __future__ import annotations
@@ -18,8 +21,28 @@ from conveyor.sampling.structured import GrammarBackend
 
 
 @dataclass(slots=True)
-class ProcessedInput:
-    """A prompt tokenized and validated, with its own copy of the sampling parameters."""
+class Prompt:
+    """A prompt already tokenized by its caller (a chat template rendered and encoded by the server)."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiNames:
+    """How an API route names the fields input processing may refuse (the error's ``param``), and that
+    it follows the API's rules: a prompt plus max_tokens longer than the context is refused (offline,
+    generation stops at the context instead), a missing max_tokens is what the context leaves (capped
+    by the model's default max_tokens)."""
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A prompt tokenized and validated for one engine, with its own copy of the sampling parameters:
+    what ``add_request`` accepts without checking again (the type says it was processed)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -27,9 +50,10 @@ class ProcessedInput:
     cache_salt: str | None = None   # shares prefix-cache blocks only with requests of the same salt
 
 
-def cache_salt(prompt: object) -> str | None:
-    """A dict prompt's "cache_salt" (vLLM's): a non-empty string, or None when not given."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+def cache_salt_of(prompt: object, given: str | None = None) -> str | None:
+    """The request's cache salt (vLLM's; `given`, else a dict prompt's "cache_salt"): a non-empty string,
+    or None when not given."""
+    salt = given if given is not None else prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}", "cache_salt")
     return salt
@@ -93,36 +117,65 @@ def token_id_list(ids: object) -> list[int]:
 
 
 class InputProcessor:
-    """Tokenize and validate prompts for one model (its vocabulary, context and end tokens)."""
+    """Every check a request gets before it reaches an engine, for one model (its vocabulary, context
+    and end tokens), in one place: every API route and ``LLM`` call it. Raises InvalidRequestError
+    (param, code) saying why a request cannot run."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: list[int], grammars=None,
-                 default_params: SamplingParams | None = None):
+                 generation_defaults: dict | None = None):
         self.tokenizer = tokenizer
-        # a prompt given without SamplingParams gets these: the model's defaults (conveyor/sampling/defaults.py)
-        self.default_params = default_params or SamplingParams()
+        # a prompt given without SamplingParams gets the model's defaults (conveyor/sampling/defaults.py)
+        self.generation_defaults = dict(generation_defaults or {})
+        self.default_params = SamplingParams(**self.generation_defaults)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars   # a sampling.structured.GrammarBackend (structured outputs), or None
 
-    def process(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                validated: bool = False) -> ProcessedInput:
-        """Tokenize and validate a prompt; raises InvalidRequestError (a ValueError) saying why it cannot run.
-        validated=True: the caller already ran ``validate`` on these token ids and parameters."""
+    def process(self, prompt: str | list[int] | dict | Prompt, params: SamplingParams | None = None, *,
+                cache_salt: str | None = None, api: ApiNames | None = None) -> ProcessedRequest:
+        """Tokenize (unless given a Prompt) and validate; `api`: the route's names and rules (ApiNames)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params = (params or self.default_params).clone()
         params.eos_token_ids = self.eos_token_ids
         text, ids = self._prompt(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            text, ids = None, ids[-params.truncate_prompt_tokens:]
+            text, ids = None, ids[-params.truncate_prompt_tokens:]   # the text no longer matches
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        if not validated:
-            self.validate(ids, params)
-        return ProcessedInput(text, ids, params, cache_salt(prompt))
+        try:
+            validate_request(ids, params, self.vocab_size, self.max_model_len, self.grammars)
+        except InvalidRequestError as e:
+            raise e.renamed(api.prompt) if api is not None and e.param == "prompt" else e
+        if api is not None:
+            self._fit_max_tokens(len(ids), params, api)
+        return ProcessedRequest(text, ids, params, cache_salt_of(prompt, cache_salt))
 
-    def _prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def _fit_max_tokens(self, n: int, params: SamplingParams, api: ApiNames) -> None:
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            params.max_tokens = min(limit - n, self.generation_defaults.get("max_tokens", limit - n))
+        elif n + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this server's context is {limit} tokens, but {n + params.max_tokens} were requested ({n} in "
+                f"the prompt, {params.max_tokens} for the completion): {n + params.max_tokens - limit} too "
+                f"many; reduce the prompt or {api.max_tokens}", api.max_tokens, "context_length_exceeded")
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context whatever its tokens, before tokenizing it: no token is
+        longer than the vocabulary's longest, so it has at least chars / that many tokens."""
+        longest = self.tokenizer.max_token_chars
+        least = -(-chars // longest)
+        if least >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the input has {chars} characters, so at least {least} tokens (no token of this model is "
+                f"longer than {longest} characters): more than this server's context of {self.max_model_len} "
+                f"tokens", param, "context_length_exceeded")
+
+    def _prompt(self, prompt: str | list[int] | dict | Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Prompt):
+            return prompt.text, token_id_list(prompt.token_ids)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
@@ -138,7 +191,3 @@ class InputProcessor:
             return None, token_id_list(prompt)
         raise InvalidRequestError("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                                   f"'prompt_token_ids'; got {type(prompt).__name__}", "prompt")
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError with a clear message if the request can never run."""
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.grammars)

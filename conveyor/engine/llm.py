@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from conveyor.config import EngineConfig
-from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedInput
+from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedRequest
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
@@ -61,7 +61,7 @@ class LLM:
                 self.engine.abort_request(rid, report=False)
             raise
 
-    def _inputs(self, prompts, sampling_params, priority) -> list[tuple[ProcessedInput, int]]:
+    def _inputs(self, prompts, sampling_params, priority) -> list[tuple[ProcessedRequest, int]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -83,7 +83,7 @@ class LLM:
         inputs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                inputs.append((self.engine.process_inputs(prompt, sp), int(priority[i])))
+                inputs.append((self.engine.inputs.process(prompt, sp), int(priority[i])))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}", e.param, e.code) from None
         return inputs

@@ -34,7 +34,6 @@ from conveyor.engine.wire import (WIRE_VERSION, Closed, Command, EngineRequest, 
                                   StartFailed, StepResults, WireError, check_version, decode_command, decode_result,
                                   encode)
 from conveyor.model.loader import load_tokenizer
-from conveyor.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class ProcessEngine(StreamingClient):
         self.generation_defaults = first.generation_defaults
         grammars = grammar_backend(tokenizer, self.vocab_size)   # a bad grammar is a 400 here
         inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, first.eos_token_ids, grammars,
-                                SamplingParams(**self.generation_defaults))
+                                self.generation_defaults)
         super().__init__(max_waiting, first.stats, FrontEnd(inputs, config.seed))
         self._send_lock = threading.Lock()
         self._receiver = threading.Thread(target=self._receive, name="conveyor-results", daemon=True)

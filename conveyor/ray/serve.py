@@ -32,14 +32,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from conveyor.config import EngineConfig, config_from_args
 from conveyor.engine.async_engine import AsyncEngine, Overloaded, RequestStream
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.data_parallel import replica_config
-from conveyor.engine.inputs import InputProcessor, grammar_backend
+from conveyor.engine.inputs import InputProcessor, ProcessedRequest, grammar_backend
 from conveyor.engine.output_processor import error_output
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.engine.process_engine import ProcessEngine
@@ -58,6 +58,15 @@ logger = logging.getLogger(__name__)
 APP_NAME = "conveyor"
 ENGINE_DEPLOYMENT = "ConveyorEngine"
 INGRESS_DEPLOYMENT = "ConveyorIngress"
+
+
+@dataclass(slots=True)
+class ReplicaOutput:
+    """What an engine replica streams back for a request: each output, with the replica's stats then."""
+
+    replica: str          # the replica's tag
+    stats: EngineStats
+    output: RequestOutput
 
 
 # ---- placement ---------------------------------------------------------------------------------
@@ -131,18 +140,19 @@ class EngineReplica:
                 "chat_template": self.engine.tokenizer.chat_template, "seed": self.config.seed,
                 "generation_defaults": self.engine.generation_defaults}
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0):
+    async def generate(self, request: ProcessedRequest, request_id: str, priority: int = 0):
+        """The request's outputs as ReplicaOutputs (the front end processed it: not checked again here)."""
         try:
-            stream = self.engine.add_request(prompt, params, request_id, priority, validated=True)
+            stream = self.engine.add_request(request, None, request_id, priority)
         except Overloaded as e:
-            yield self.tag, self.engine.stats(), error_output(request_id, str(e), code=QUEUE_TIMEOUT)
+            yield ReplicaOutput(self.tag, self.engine.stats(), error_output(request_id, str(e), code=QUEUE_TIMEOUT))
             return
         except EngineDeadError as e:
-            yield self.tag, self.engine.stats(), error_output(request_id, str(e))
+            yield ReplicaOutput(self.tag, self.engine.stats(), error_output(request_id, str(e)))
             return
         try:
             async for out in stream:
-                yield self.tag, self.engine.stats(), out
+                yield ReplicaOutput(self.tag, self.engine.stats(), out)
         finally:   # cancelled by the caller (client gone, abort): free the KV blocks now
             if not stream.finished:
                 self.engine.abort(request_id)
@@ -208,7 +218,7 @@ class RayEngineClient:
             self.tokenizer.chat_template = info["chat_template"]
         grammars = grammar_backend(self.tokenizer, info["vocab_size"])
         self.inputs = InputProcessor(self.tokenizer, info["vocab_size"], self.max_model_len,
-                                     info["eos_token_ids"], grammars, SamplingParams(**self.generation_defaults))
+                                     info["eos_token_ids"], grammars, self.generation_defaults)
         self._tasks: dict[str, asyncio.Task] = {}
         self._streams: dict[str, RequestStream] = {}
         self._listeners: list[Callable[[RequestOutput], None]] = []
@@ -217,24 +227,18 @@ class RayEngineClient:
         self._accepting = True
 
     # ---- EngineClient ----------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.inputs.validate(prompt_token_ids, params)
-
-    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    priority: int = 0, validated: bool = False) -> RequestStream:
+    def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
+                    request_id: str, priority: int = 0) -> RequestStream:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         if request_id in self._tasks:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt or not validated:
-            processed = self.inputs.process(prompt, params, validated)   # InvalidRequestError here, at once
-            prompt = {"prompt": processed.text, "prompt_token_ids": processed.token_ids,
-                      **({"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt
-                         else {})}
+        if not isinstance(prompt, ProcessedRequest):
+            prompt = self.inputs.process(prompt, params)   # InvalidRequestError here, at once
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop)
         self._streams[request_id] = stream
-        self._tasks[request_id] = loop.create_task(self._pump(stream, prompt, params, request_id, priority))
+        self._tasks[request_id] = loop.create_task(self._pump(stream, prompt, request_id, priority))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -281,14 +285,14 @@ class RayEngineClient:
         self._accepting = False
 
     # ---- internals ---------------------------------------------------------------------------
-    async def _pump(self, stream: RequestStream, prompt: dict, params: SamplingParams, request_id: str,
-                    priority: int) -> None:
+    async def _pump(self, stream: RequestStream, request: ProcessedRequest, request_id: str, priority: int) -> None:
         gen = None
         tag = None
         try:
             _own_serve_request_id()
-            gen = self._generate.remote(prompt, params, request_id, priority)
-            async for tag, stats, out in gen:
+            gen = self._generate.remote(request, request_id, priority)
+            async for item in gen:
+                tag, stats, out = item.replica, item.stats, item.output
                 self._seen(tag, stats, True)
                 if request_id not in self.served_by:
                     self.served_by[request_id] = tag

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, format_errors_under
-from conveyor.server.inputs import Prompt, chat_prompt, chat_sampling, fit_to_context, off_loop_if_big, text_chars
+from conveyor.server.inputs import Prompt, chat_prompt, chat_sampling, off_loop_if_big, process_request, text_chars
 from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,
                                      parse_output)
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage
@@ -288,9 +288,10 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request)
     room = state.client.max_model_len - len(prompt.token_ids)
     if room >= 1 and params.max_tokens > room:   # capped, not refused (a prompt too long is refused below)
         params.max_tokens = room
-    params = fit_to_context(state.client, prompt, params, "messages", "max_tokens")
+    request = process_request(state.client, prompt, params, "messages", "max_tokens")
+    params = request.params
     mid = f"msg_{uuid.uuid4().hex}"
-    streams = submit(state.client, mid, [prompt], [params], 0)
+    streams = submit(state.client, mid, [request], 0)
     if req.stream:
         return EngineStreamingResponse(_events(state, req, model, mid, prompt, tools, streams,
                                                parser_for(state.reasoning_parser, params)), state.client, streams)

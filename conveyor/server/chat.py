@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 from conveyor.server.completions import usage_of
 from conveyor.server.errors import APIError
-from conveyor.server.inputs import chat_prompt, chat_sampling, fit_to_context, off_loop_if_big, text_chars
+from conveyor.server.inputs import chat_prompt, chat_sampling, off_loop_if_big, process_request, text_chars
 from conveyor.server.logprobs import chat_logprobs
 from conveyor.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatResponseMessage, ChatStreamChoice, DeltaMessage)
@@ -51,10 +51,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tools = tools if tools is not None and tools.active else None
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     prompt_text = prompt.text
-    params = fit_to_context(state.client, prompt, params, "messages", max_param)
+    request = process_request(state.client, prompt, params, "messages", max_param, req.cache_salt)
+    params = request.params
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs, tools,
                parser_for(state.reasoning_parser, params), prompt_text)
-    streams = submit(state.client, job.id, [prompt], [params], req.priority, req.cache_salt)
+    streams = submit(state.client, job.id, [request], req.priority)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)

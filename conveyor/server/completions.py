@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server.errors import APIError
-from conveyor.server.inputs import (completion_prompts, completion_sampling, fit_to_context, off_loop_if_big,
+from conveyor.server.inputs import (completion_prompts, completion_sampling, process_request, off_loop_if_big,
                                    text_chars)
 from conveyor.server.logprobs import completion_logprobs
 from conveyor.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
@@ -25,9 +25,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     model = state.check_model(req.model)
     params = completion_sampling(req, state.client.generation_defaults)
     prompts = await off_loop_if_big(text_chars(req.prompt), completion_prompts, state.client, req.prompt)
-    per_prompt = [fit_to_context(state.client, p, params, "prompt") for p in prompts]
+    requests = [process_request(state.client, p, params, "prompt", cache_salt=req.cache_salt) for p in prompts]
     job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-    streams = submit(state.client, job.id, prompts, per_prompt, req.priority, req.cache_salt)
+    streams = submit(state.client, job.id, requests, req.priority)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage, req.echo, req.max_tokens == 0,

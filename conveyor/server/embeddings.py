@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.errors import APIError, bad_request
-from conveyor.server.inputs import completion_prompts, fit_to_context, off_loop_if_big, text_chars
+from conveyor.server.inputs import completion_prompts, off_loop_if_big, process_request, text_chars
 from conveyor.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
 from conveyor.server.serving import cancel_on_disconnect, collect_finals, submit
 from conveyor.server.state import ServerState
@@ -21,10 +21,10 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Reque
     model = state.check_model(req.model)
     if req.dimensions is not None:
         raise bad_request("dimensions is not supported (the embedding has the model's hidden size)", "dimensions")
-    prompts = await off_loop_if_big(text_chars(req.input), completion_prompts, state.client, req.input)
+    prompts = await off_loop_if_big(text_chars(req.input), completion_prompts, state.client, req.input, "input")
     params = SamplingParams(max_tokens=1, pooling=req.pooling)
-    per_prompt = [fit_to_context(state.client, p, params, "input") for p in prompts]
-    streams = submit(state.client, f"embd-{uuid.uuid4().hex}", prompts, per_prompt, 0)
+    requests = [process_request(state.client, p, params, "input") for p in prompts]
+    streams = submit(state.client, f"embd-{uuid.uuid4().hex}", requests, 0)
 
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     data = []

@@ -1,33 +1,23 @@
-"""Turn an API request into engine inputs: token ids per prompt and validated SamplingParams."""
+"""Turn an API request into engine inputs: token ids per prompt (chat templates rendered here) and
+SamplingParams under the API's names; then the engine's one input processor (engine/inputs.py) makes
+each a ProcessedRequest."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from conveyor.engine.async_engine import EngineClient
+from conveyor.engine.inputs import ApiNames, ProcessedRequest, Prompt
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import KINDS as STRUCTURED_KINDS, StructuredOutputsParams
-from conveyor.server.errors import APIError, bad_request, invalid_request
+from conveyor.server.errors import bad_request, invalid_request
 from conveyor.server.tools import ToolPlan, render_messages, strict_objects
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
 MAX_N = 16
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class Prompt:
-    text: str | None
-    token_ids: list[int]
-
-    def engine_input(self, cache_salt: str | None = None) -> dict:
-        d = {"prompt": self.text, "prompt_token_ids": self.token_ids}
-        if cache_salt is not None:
-            d["cache_salt"] = cache_salt
-        return d
 
 
 # ---- prompts --------------------------------------------------------------------------------
@@ -60,14 +50,11 @@ async def off_loop_if_big(chars: int, fn: Callable[..., T], *args: object) -> T:
 
 
 def check_text_size(client: EngineClient, chars: int, param: str) -> None:
-    """Reject a text that cannot fit the context whatever its tokens, without tokenizing it: no
-    token is longer than the vocabulary's longest, so it has at least chars / that many tokens."""
-    longest = client.tokenizer.max_token_chars
-    least = -(-chars // longest)
-    if least >= client.max_model_len:
-        raise APIError(400, f"the input has {chars} characters, so at least {least} tokens (no token of this "
-                            f"model is longer than {longest} characters): more than this server's context of "
-                            f"{client.max_model_len} tokens", param=param, code="context_length_exceeded")
+    """Reject a text that cannot fit the context whatever its tokens, before tokenizing it (engine/inputs.py)."""
+    try:
+        client.inputs.check_text_size(chars, param)
+    except ValueError as e:
+        raise invalid_request(e) from e
 
 
 def encode(client: EngineClient, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -77,19 +64,20 @@ def encode(client: EngineClient, text: str, param: str, add_special_tokens: bool
         raise bad_request(str(e), param) from e
 
 
-def completion_prompts(client: EngineClient, prompt: str | list) -> list[Prompt]:
-    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+def completion_prompts(client: EngineClient, prompt: str | list, param: str = "prompt") -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids (`param`: the
+    route's name for the field)."""
     if isinstance(prompt, str):
-        check_text_size(client, len(prompt), "prompt")
-        return [Prompt(prompt, encode(client, prompt, "prompt"))]
+        check_text_size(client, len(prompt), param)
+        return [Prompt(prompt, encode(client, prompt, param))]
     if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
+        raise bad_request(f"{param} must not be empty", param)
     if isinstance(prompt[0], int):
         return [Prompt(None, list(prompt))]
     for p in prompt:
         if isinstance(p, str):
-            check_text_size(client, len(p), "prompt")
-    return [Prompt(p, encode(client, p, "prompt")) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+            check_text_size(client, len(p), param)
+    return [Prompt(p, encode(client, p, param)) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
 
 
 def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[dict]:
@@ -150,7 +138,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, max_tokens_para
                     defaults: dict | None = None) -> SamplingParams:
     """Build SamplingParams; their errors become 400s naming the API parameter (by the error's `param`).
     A field the request omits takes the model's default (`defaults`: conveyor/sampling/defaults.py), else
-    the API's; a missing max_tokens stays None here (fit_to_context fills it in)."""
+    the API's; a missing max_tokens stays None here (process_request fills it in)."""
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
     defaults = defaults or {}
@@ -239,7 +227,7 @@ def completion_sampling(req: CompletionRequest, defaults: dict | None = None) ->
         raise bad_request("suffix is not supported", "suffix")
     max_tokens = req.max_tokens
     if "max_tokens" not in req.model_fields_set and "max_tokens" in (defaults or {}):
-        max_tokens = None   # the model's default, capped by the context (fit_to_context), not the API's 16
+        max_tokens = None   # the model's default, capped by the context (process_request), not the API's 16
     if max_tokens == 0:
         if not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: scoring the prompt)", "max_tokens")
@@ -275,28 +263,13 @@ def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None,
 
 # ---- context length -------------------------------------------------------------------------
 
-def fit_to_context(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
-                   max_tokens_param: str = "max_tokens") -> SamplingParams:
-    """Reject prompts (and prompt + max_tokens) longer than the context; fill in a missing max_tokens (the
-    model's default max_tokens, if it has one, capped by what the context leaves)."""
-    k = params.truncate_prompt_tokens
-    if k is not None and len(prompt.token_ids) > k:   # keep the last k tokens (the text no longer matches)
-        prompt.text, prompt.token_ids = None, prompt.token_ids[-k:]
-    limit, n = client.max_model_len, len(prompt.token_ids)
-    if n >= limit:
-        raise APIError(400, f"the prompt has {n} tokens, {n - limit + 1} more than this server's context "
-                            f"of {limit} tokens allows (prompt + at least one generated token)",
-                       param=prompt_param, code="context_length_exceeded")
+def process_request(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
+                    max_tokens_param: str = "max_tokens", cache_salt: str | None = None) -> ProcessedRequest:
+    """The engine's input processing (engine/inputs.py: truncation, the context, every check) under this
+    route's parameter names; a refusal is a 400 naming the parameter. A missing max_tokens becomes the
+    model's default max_tokens, capped by what the context leaves."""
     try:
-        client.validate(prompt.token_ids, params)
+        return client.inputs.process(prompt, params, cache_salt=cache_salt,
+                                     api=ApiNames(prompt_param, max_tokens_param))
     except ValueError as e:   # a constraint may come from several fields (response_format, guided_*, tools)
-        raise invalid_request(e, {"prompt": prompt_param, "structured_outputs": None}) from e
-    if params.max_tokens is None:
-        params = params.clone()
-        params.max_tokens = min(limit - n, client.generation_defaults.get("max_tokens", limit - n))
-    elif n + params.max_tokens > limit:
-        raise APIError(400, f"this server's context is {limit} tokens, but {n + params.max_tokens} were "
-                            f"requested ({n} in the prompt, {params.max_tokens} for the completion): "
-                            f"{n + params.max_tokens - limit} too many; reduce the prompt or "
-                            f"{max_tokens_param}", param=max_tokens_param, code="context_length_exceeded")
-    return params
+        raise invalid_request(e, {"structured_outputs": None}) from e

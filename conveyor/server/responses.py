@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.engine.outputs import RequestOutput
 from conveyor.server.errors import APIError, bad_request
-from conveyor.server.inputs import (chat_prompt, chat_sampling, fit_to_context, format_constraint, off_loop_if_big,
+from conveyor.server.inputs import (chat_prompt, chat_sampling, process_request, format_constraint, off_loop_if_big,
                                     text_chars)
 from conveyor.server.parsing import ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart
 from conveyor.server.protocol import ChatCompletionRequest, ChatMessage, ResponsesRequest
@@ -398,7 +398,8 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         tools = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, state.tool_call_parser)
         params = chat_sampling(chat, tools, state.client.generation_defaults)
         prompt = await off_loop_if_big(text_chars(messages), chat_prompt, state.client, messages, True, tools)
-        params = fit_to_context(state.client, prompt, params, "input", "max_output_tokens")
+        request = process_request(state.client, prompt, params, "input", "max_output_tokens", req.cache_salt)
+        params = request.params
     except APIError as e:
         if e.param is not None:
             e.param = _RENAME.get(e.param, "input" if e.param.startswith("messages") else e.param)
@@ -411,7 +412,7 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         if req.store is not False:
             store.put(job.id, StoredResponse(body, context, len(own)))
 
-    streams = submit(state.client, job.id, [prompt], [params], req.priority, req.cache_salt)
+    streams = submit(state.client, job.id, [request], req.priority)
     if req.background:
         entry = StoredResponse(job.body("queued", []), context, len(own), background=True)
         store.put(job.id, entry)

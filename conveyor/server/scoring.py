@@ -32,7 +32,8 @@ from pydantic import BaseModel, Field
 from conveyor.engine.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.errors import APIError, bad_request
-from conveyor.server.inputs import Prompt, check_text_size, encode, fit_to_context, off_loop_if_big, text_chars
+from conveyor.engine.inputs import ProcessedRequest
+from conveyor.server.inputs import Prompt, check_text_size, encode, off_loop_if_big, process_request, text_chars
 from conveyor.server.protocol import UsageInfo, _Body
 from conveyor.server.serving import cancel_on_disconnect, collect_finals, submit
 from conveyor.server.state import ServerState
@@ -102,7 +103,7 @@ class RerankResponse(BaseModel):
 # ---- scoring ----------------------------------------------------------------------------------
 
 def pair_prompts(state: ServerState, queries: list[str], documents: list[str], params: SamplingParams,
-                 names: tuple[str, str]) -> tuple[list[Prompt], list[SamplingParams], list[int], list[int]]:
+                 names: tuple[str, str]) -> tuple[list[ProcessedRequest], list[int], list[int]]:
     """Engine prompts: one per distinct query (its prior), then one per (query, document) pair.
     Also each prompt's number of query tokens (the scored tail) and each pair's prior prompt.
     `names`: the request's fields for the queries and the documents (for the 400s)."""
@@ -124,12 +125,12 @@ def pair_prompts(state: ServerState, queries: list[str], documents: list[str], p
         prefix = encode(client, WITH_DOCUMENT.format(document=d), doc_param)
         prompts.append(Prompt(None, prefix + query_ids[q]))
         counts.append(len(query_ids[q]))
-    per_prompt = [fit_to_context(client, p, params, doc_param) for p in prompts]
-    for p, n in zip(prompts, counts):
-        if n >= len(p.token_ids):   # truncate_prompt_tokens cut into the query
-            raise bad_request(f"truncate_prompt_tokens leaves {len(p.token_ids)} tokens, but the query alone has "
-                              f"{n} (and needs one before it)", "truncate_prompt_tokens")
-    return prompts, per_prompt, counts, [prior_of[q] for q in queries]
+    requests = [process_request(client, p, params, doc_param) for p in prompts]
+    for r, n in zip(requests, counts):
+        if n >= len(r.prompt_token_ids):   # truncate_prompt_tokens cut into the query
+            raise bad_request(f"truncate_prompt_tokens leaves {len(r.prompt_token_ids)} tokens, but the query alone "
+                              f"has {n} (and needs one before it)", "truncate_prompt_tokens")
+    return requests, counts, [prior_of[q] for q in queries]
 
 
 def mean_logprob(out: RequestOutput, n: int) -> float:
@@ -149,9 +150,8 @@ async def score_pairs(state: ServerState, raw: Request, queries: list[str], docu
     """sigmoid(PMI) per (query, document) pair, and the prompt tokens it took."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, truncate_prompt_tokens=truncate)
     chars = text_chars(queries, documents)
-    prompts, per_prompt, counts, prior_of = await off_loop_if_big(chars, pair_prompts, state, queries, documents,
-                                                                   params, names)
-    streams = submit(state.client, f"score-{uuid.uuid4().hex}", prompts, per_prompt, priority)
+    requests, counts, prior_of = await off_loop_if_big(chars, pair_prompts, state, queries, documents, params, names)
+    streams = submit(state.client, f"score-{uuid.uuid4().hex}", requests, priority)
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     means = [mean_logprob(out, n) for out, n in zip(finals, counts)]
     pairs = means[len(means) - len(queries):]

@@ -16,11 +16,10 @@ from starlette.types import Receive, Scope, Send
 
 from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overloaded, RequestStream
 from conveyor.engine.outputs import RequestOutput
-from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
 from conveyor.server import observe
 from conveyor.server.errors import APIError
-from conveyor.server.inputs import Prompt
+from conveyor.engine.inputs import ProcessedRequest
 
 T = TypeVar("T")
 
@@ -39,15 +38,13 @@ class Job:
     num_logprobs: int | None
 
 
-def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: list[SamplingParams],
-           priority: int, cache_salt: str | None = None) -> list[RequestStream]:
-    """One engine request per prompt (`base_id`-i); all or none: on failure the rest is aborted."""
+def submit(client: EngineClient, base_id: str, requests: list[ProcessedRequest], priority: int) -> list[RequestStream]:
+    """One engine request per processed prompt (`base_id`-i); all or none: on failure the rest is aborted."""
     streams: list[RequestStream] = []
     try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(client.add_request(prompt.engine_input(cache_salt), sp, rid, priority,
-                                              validated=True))   # fit_to_context validated it
+        for i, request in enumerate(requests):
+            rid = base_id if len(requests) == 1 else f"{base_id}-{i}"
+            streams.append(client.add_request(request, None, rid, priority))
     except Overloaded as e:
         abort(client, streams)
         raise APIError(503, f"the server is overloaded: {e}; retry later", code="overloaded",
@@ -55,7 +52,7 @@ def submit(client: EngineClient, base_id: str, prompts: list[Prompt], params: li
     except EngineDeadError as e:
         abort(client, streams)
         raise APIError(503, str(e), code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-    observe.submitted(base_id, streams, params, priority)   # request log / tracing (a no-op when off)
+    observe.submitted(base_id, streams, [r.params for r in requests], priority)   # request log / tracing (no-op when off)
     return streams
 
 

@@ -53,10 +53,10 @@ def test_validation_runs_once_per_request(make_engine, monkeypatch):
 
     async def main():
         p = SamplingParams(max_tokens=3, ignore_eos=True)
-        client.validate([4, 5, 6], p)                       # the server's one check (fit_to_context) ...
-        stream = client.add_request([4, 5, 6], p, "a", validated=True)   # ... is not repeated here
+        processed = client.inputs.process([4, 5, 6], p)     # the server's one check (process_request) ...
+        stream = client.add_request(processed, None, "a")   # ... is not repeated here
         outs = [o async for o in stream]
-        with pytest.raises(InvalidRequestError):            # unvalidated input is checked at add
+        with pytest.raises(InvalidRequestError):            # raw input is processed (and checked) at add
             client.add_request([], p, "b")
         return outs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.inputs import cache_salt, token_id_list, validate_request
+from conveyor.engine.inputs import cache_salt_of, token_id_list, validate_request
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
@@ -34,6 +34,7 @@ def test_token_ids_are_the_prompt(ids):
 @pytest.mark.parametrize("salt", ["", 5])
 def test_cache_salt(salt):
     with pytest.raises(ValueError) as e:   # still a ValueError for callers that catch those
-        cache_salt({"prompt": "x", "cache_salt": salt})
+        cache_salt_of({"prompt": "x", "cache_salt": salt})
     assert e.value.param == "cache_salt"
-    assert cache_salt({"prompt": "x"}) is None and cache_salt({"prompt": "x", "cache_salt": "a"}) == "a"
+    assert cache_salt_of({"prompt": "x"}) is None and cache_salt_of({"prompt": "x", "cache_salt": "a"}) == "a"
+    assert cache_salt_of([1, 2], "b") == "b"

@@ -49,4 +49,4 @@ def test_salt_reaches_every_sequence(make_engine, monkeypatch):
 def test_bad_salt_is_rejected(make_engine, salt):
     engine = make_engine()
     with pytest.raises(InvalidRequestError, match="cache_salt"):
-        engine.process_inputs({"prompt_token_ids": PROMPT, "cache_salt": salt})
+        engine.inputs.process({"prompt_token_ids": PROMPT, "cache_salt": salt})

@@ -60,9 +60,9 @@ def test_streams_match_the_in_process_engine_and_shutdown_is_clean(offline):
     assert aborted[-1].outputs[0].finish_reason == "abort"
     stats = engine.stats()
     assert stats.num_running == 0 and stats.kv_usage == 0.0 and stats.num_aborted == 1
-    engine.validate([1, 2, 3], GREEDY)
+    engine.inputs.process([1, 2, 3], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
-        engine.validate([10 ** 9], GREEDY)
+        engine.inputs.process([10 ** 9], GREEDY)
     engine.close(timeout=5)
     assert not engine.is_healthy and engine._proc.exitcode == 0
 

@@ -18,6 +18,7 @@ import pytest
 from conveyor.cli import main
 from conveyor.engine.core import EngineDeadError
 from conveyor.engine.data_parallel import DataParallelEngine
+from conveyor.engine.inputs import InputProcessor, ProcessedRequest
 from conveyor.engine.data_parallel import Router as ServerRouter
 from conveyor.engine.stats import EngineStats
 from conveyor.kv.manager import block_content, chain_hash, extra_keys
@@ -112,6 +113,7 @@ def stub_engine(replicas, router: ServerRouter | None = None) -> DataParallelEng
     engine = object.__new__(DataParallelEngine)
     engine.replicas, engine.router = replicas, router or ServerRouter("prefix", 16)
     engine._lock, engine._owner, engine._reported_down = threading.Lock(), {}, set()
+    engine.inputs = InputProcessor(None, 1000, 4096, [0])   # token-id prompts: no tokenizer needed
     return engine
 
 
@@ -152,7 +154,8 @@ class StubReplica:
     def stats(self) -> EngineStats:
         return EngineStats(num_unfinished_requests=len(self.got), kv_usage=0.0)
 
-    def add_request(self, prompt, params, request_id, priority=0, validated=False):
+    def add_request(self, prompt, params, request_id, priority=0):
+        assert isinstance(prompt, ProcessedRequest) and params is None   # processed once, by the DP engine
         self.got.append(request_id)
         return object()
 
