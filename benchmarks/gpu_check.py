@@ -64,7 +64,7 @@ def greedy_on(model, prompt: list[int], max_new: int, device: str) -> dict:
     if device == "cpu":
         run = conveyor_greedy(model, [prompt], max_new)
         return {"tokens": run.tokens[0], "logits": run.logits[0].float()}
-    from conveyor.engine.core import EngineCore
+    from conveyor.core.engine_core import EngineCore
     from conveyor.kv.manager import KVCacheManager
     from conveyor.request import Request
     from conveyor.runner.model_runner import ModelRunner

@@ -132,7 +132,7 @@ def calibrated(profile_path: Path, step_trace: Path):
     """The profile corrected by the real server's step trace (`conveyor simulate --validate TRACE
     --calibrate`: a factor per knot and the gap between steps, fitted on alternate runs of steps),
     and the fit's report."""
-    from conveyor.engine.trace import StepTracer
+    from conveyor.core.trace import StepTracer
     from conveyor.sim.cost import StepCostModel
     from conveyor.sim.validate import calibrate
 

@@ -217,8 +217,11 @@ def engine_worker(tree: Path, streams: int, lengths: list[int], torch_threads: i
     counter.install()   # before the engine (and its pipes) exist
     check_tree(tree)
     from conveyor.config import EngineConfig
-    from conveyor.engine.process_engine import ProcessEngine
     from conveyor.scheduler.config import SchedulerConfig
+    try:
+        from conveyor.transport.process import ProcessEngine
+    except ImportError:   # a baseline from before the folders by process side (issue 53)
+        from conveyor.engine.process_engine import ProcessEngine
 
     longest = PROMPT_LEN + max(lengths)
     blocks = streams * (-(-longest // BLOCK) + 1) + 64
@@ -308,7 +311,10 @@ class PicklingExecutor:
 
 
 def plan_one(context: int, penalty: bool) -> dict:
-    from conveyor.engine.core import EngineCore
+    try:
+        from conveyor.core.engine_core import EngineCore
+    except ImportError:   # a baseline from before the folders by process side (issue 53)
+        from conveyor.engine.core import EngineCore
     from conveyor.kv.manager import KVCacheManager
     from conveyor.request import Request
     from conveyor.sampling.params import SamplingParams
@@ -406,12 +412,12 @@ def ext_dir(tree: Path) -> Path:
 def seed_extensions(tree: Path) -> None:
     """Start the tree's extensions directory from the default cache's build when that build is of
     this tree's sources (same paths; ninja then finds it up to date instead of compiling for minutes)."""
-    dest = ext_dir(tree) / "conveyor_cpu_kernels"
-    if dest.exists():
-        return
     csrc = str(tree.resolve() / "conveyor" / "model" / "csrc") + "/"
-    for build in sorted((Path.home() / ".cache" / "torch_extensions").glob("*/conveyor_cpu_kernels")):
-        ninja = build / "build.ninja"
+    # conveyor_cpu_kernels (older trees) or conveyor_cpu_kernels_<tree> (one build per source tree)
+    for build in sorted((Path.home() / ".cache" / "torch_extensions").glob("*/conveyor_cpu_kernels*")):
+        ninja, dest = build / "build.ninja", ext_dir(tree) / build.name
+        if dest.exists():
+            return
         if ninja.exists() and csrc in ninja.read_text() and not (build / "lock").exists():
             shutil.copytree(build, dest, symlinks=True, ignore=shutil.ignore_patterns("lock"))
             print(f"seeded {dest} from {build}", flush=True)

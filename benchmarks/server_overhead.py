@@ -30,7 +30,7 @@ import torch
 import uvicorn
 
 from common import save
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.transport.thread import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.model.loader import load_model
 from conveyor.sampling.params import SamplingParams

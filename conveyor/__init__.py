@@ -15,13 +15,13 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", 
 
 _WHERE = {"LLM": "conveyor.engine.llm", "SamplingParams": "conveyor.sampling.params",
           "StructuredOutputsParams": "conveyor.sampling.structured",
-          "RequestOutput": "conveyor.engine.outputs", "CompletionOutput": "conveyor.engine.outputs",
+          "RequestOutput": "conveyor.frontend.outputs", "CompletionOutput": "conveyor.frontend.outputs",
           "EngineConfig": "conveyor.config", "SchedulerConfig": "conveyor.scheduler.config"}
 
 if TYPE_CHECKING:
     from conveyor.config import EngineConfig
     from conveyor.engine.llm import LLM
-    from conveyor.engine.outputs import CompletionOutput, RequestOutput
+    from conveyor.frontend.outputs import CompletionOutput, RequestOutput
     from conveyor.sampling.params import SamplingParams
     from conveyor.sampling.structured import StructuredOutputsParams
     from conveyor.scheduler.config import SchedulerConfig

@@ -32,7 +32,7 @@ def add_options(group: argparse._ActionsContainer, cls: type, skip: tuple[str, .
         if not meta or not meta.get("cli") or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = os.environ.get(meta["env"], f.default) if meta.get("env") else f.default
+        default = (os.environ.get(meta["env"]) or f.default) if meta.get("env") else f.default   # "" is unset
         kind = _flag_type(hints[f.name])
         extra = {"metavar": meta["metavar"]} if meta.get("metavar") else {}
         if kind is bool:

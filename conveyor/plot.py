@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 
 
 def plot_traces(traces: list[StepTracer], labels: list[str], out: str | Path, title: str | None = None) -> Path:

@@ -1,6 +1,6 @@
 """The router policy: which engine replica gets a request. One policy for every router.
 
-The data-parallel server (``engine/data_parallel.py``), the simulator (``sim/harness.py``) and
+The data-parallel server (``transport/data_parallel.py``), the simulator (``sim/harness.py``) and
 a request router in front of separate engines (e.g. Ray's) all decide with ``Router.choose``:
 the prompt's token ids (and its cache salt), the replicas' current loads, and the router's own
 record of which replica holds which prefix. No I/O, no clock, no randomness, standard library

@@ -17,10 +17,10 @@ from conveyor.scheduler.config import SchedulerConfig
 TORCH_FREE = """
 import sys
 import pickle
-import conveyor, conveyor.config, conveyor.kv.manager, conveyor.scheduler.scheduler, conveyor.engine.core
-import conveyor.engine.stats, conveyor.engine.trace, conveyor.scheduler.costs, conveyor.sampling.params
+import conveyor, conveyor.config, conveyor.kv.manager, conveyor.scheduler.scheduler, conveyor.core.engine_core
+import conveyor.core.stats, conveyor.core.trace, conveyor.scheduler.costs, conveyor.sampling.params
 import conveyor.sampling.row, conveyor.request, conveyor.sim.simulator, conveyor.sim.cli, conveyor.runner.state
-import conveyor.engine.frontend, conveyor.engine.inputs, conveyor.engine.output_processor   # the front end
+import conveyor.frontend.front_end, conveyor.frontend.inputs, conveyor.frontend.output_processor   # the front end
 import conveyor.scheduler.stopping, conveyor.scheduler.pooling, conveyor.scheduler.prompt_logprobs
 import conveyor.sampling.structured
 from conveyor.scheduler.config import SchedulerConfig

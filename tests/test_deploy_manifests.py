@@ -14,7 +14,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.cli import build_parser
-from conveyor.engine.stats import EngineStats
+from conveyor.core.stats import EngineStats
 from conveyor.model.loader import demo_model_path, load_tokenizer
 from conveyor.server.app import build_app
 from conveyor.server.cli import cmd_serve

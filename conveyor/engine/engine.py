@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineCore, EngineDeadError, SeqUpdate, metrics_snapshot
-from conveyor.engine.frontend import FrontEnd
-from conveyor.engine.inputs import (InputProcessor, InvalidRequestError, ProcessedRequest,  # noqa: F401 - re-exported
+from conveyor.core.engine_core import EngineCore, EngineDeadError, SeqUpdate, metrics_snapshot
+from conveyor.frontend.front_end import FrontEnd
+from conveyor.frontend.inputs import (InputProcessor, InvalidRequestError, ProcessedRequest,  # noqa: F401 - re-exported
                                     grammar_backend)
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.stats import EngineStats
-from conveyor.engine.trace import StepTracer
-from conveyor.engine.wire import EngineRequest, Finish
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.core.stats import EngineStats
+from conveyor.core.trace import StepTracer
+from conveyor.core.wire import EngineRequest, Finish
 from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.dtype import resolve_dtype

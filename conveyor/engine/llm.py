@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedRequest
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.stats import EngineStats
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.core.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 
 # A dict: {"prompt": text} or {"prompt_token_ids": ids} (with an optional "prompt" text), and

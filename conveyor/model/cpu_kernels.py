@@ -75,8 +75,8 @@ def load_cpu_kernels():
         _put_ninja_on_path()
 
         flags = _cpu_flags()
-        module = load(name=_module_name(flags), sources=[str(p) for p in _SOURCES], extra_cflags=cflags(flags),
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        module = load(name=f"{_module_name(flags)}_{_tree_tag()}", sources=[str(p) for p in _SOURCES],
+                      extra_cflags=cflags(flags), extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # compiler or ninja missing, unsupported platform
         log.warning("the C++ CPU kernels are unavailable (%s): attention, matmuls and fused ops run on the "
                     "portable torch path, several times slower", e)
@@ -98,6 +98,15 @@ def _module_name(flags: list[str]) -> str:
     if "CONVEYOR_CPU_FLAGS" not in os.environ:
         return "conveyor_cpu_kernels"
     return "conveyor_cpu_kernels_" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:8]
+
+
+def _tree_tag() -> str:
+    """8 hex digits naming this source tree: the build (a folder of torch's extensions cache, under
+    $TORCH_EXTENSIONS_DIR or per Python and CUDA version) is one per tree, since ninja's build file
+    names the sources by path: two checkouts sharing one build (a worktree beside the main one) would
+    rebuild every object each time the other loaded the kernels (minutes on 2 cores, the other
+    waiting on the build's lock)."""
+    return hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
 
 
 def kernels_digest() -> str:

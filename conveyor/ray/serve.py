@@ -36,14 +36,15 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from conveyor.config import EngineConfig, config_from_args
-from conveyor.engine.async_engine import AsyncEngine, Overloaded, RequestStream
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.data_parallel import replica_config
-from conveyor.engine.inputs import InputProcessor, ProcessedRequest, grammar_backend
-from conveyor.engine.output_processor import error_output
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.engine.process_engine import ProcessEngine
-from conveyor.engine.stats import EngineStats
+from conveyor.frontend.client import Overloaded, RequestStream
+from conveyor.transport.thread import AsyncEngine
+from conveyor.core.engine_core import EngineDeadError
+from conveyor.transport.data_parallel import replica_config
+from conveyor.frontend.inputs import InputProcessor, ProcessedRequest, grammar_backend
+from conveyor.frontend.output_processor import error_output
+from conveyor.frontend.outputs import CompletionOutput, RequestOutput
+from conveyor.transport.process import ProcessEngine
+from conveyor.core.stats import EngineStats
 from conveyor.kv.events import offset_endpoint
 from conveyor.model.loader import load_tokenizer
 from conveyor.routing import Router
@@ -390,9 +391,9 @@ def _prefix_router_class():
             ids: list[int] = []
             salt = None
             if pending_request is not None and pending_request.args:
-                first = pending_request.args[0]
-                if isinstance(first, dict) and isinstance(first.get("prompt_token_ids"), list):
-                    ids, salt = first["prompt_token_ids"], first.get("cache_salt")
+                first = pending_request.args[0]   # generate(request, ...): the front end's ProcessedRequest
+                if isinstance(first, ProcessedRequest):
+                    ids, salt = first.prompt_token_ids, first.cache_salt
             by_index = {}
             for r in candidate_replicas:
                 tag = r.replica_id.unique_id

@@ -198,3 +198,9 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+    def checked_copy(self) -> SamplingParams:
+        """A copy, checked again: fields may have been set after construction (InvalidRequestError)."""
+        params = copy.deepcopy(self)
+        params._validate()
+        return params

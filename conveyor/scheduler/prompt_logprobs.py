@@ -6,7 +6,7 @@ tokens that follow its rows (``chunk_targets``); the step's entries are appended
 ``collect``; the whole list goes to the front end once, with the first sampled token
 (``first_output``). A recompute preemption drops a partial list (``reset``), since its chunks
 run again. The runner computes the entries (runner/model_runner.py), the front end turns them
-into ``Logprob`` objects (engine/output_processor.py). No torch here.
+into ``Logprob`` objects (frontend/output_processor.py). No torch here.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from conveyor.scheduler.stopping import finish_verdict
 
 @dataclass(slots=True)
 class SchedulerStats:
-    """The scheduler's counters (engine/stats.py's EngineStats snapshots them with the KV cache's)."""
+    """The scheduler's counters (core/stats.py's EngineStats snapshots them with the KV cache's)."""
 
     steps: int = 0
     num_running: int = 0

@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.frontend.outputs import CompletionOutput, RequestOutput
 from conveyor.server.errors import APIError, format_errors_under
 from conveyor.server.inputs import Prompt, chat_prompt, chat_sampling, off_loop_if_big, process_request, text_chars
 from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,

@@ -11,8 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.async_engine import EngineClient
-from conveyor.engine.stats import EngineStats
+from conveyor.frontend.client import EngineClient
+from conveyor.core.stats import EngineStats
 from conveyor.server import observe
 from conveyor.server.anthropic import register_anthropic_routes
 from conveyor.server.chat import create_chat_completion
@@ -37,6 +37,8 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
     fields, e.g. ``log_interval=0``); on lifespan shutdown it shuts the engine down too.
     `tracer_provider`: an OpenTelemetry TracerProvider that gets one span per engine request. Fields that
     only the command line acts on (host, port, the engine's process and replicas) are ignored here."""
+    if "served_model_names" in options:   # the keyword's name before ServerConfig (Ray Serve app_options)
+        options["served_model_name"] = options.pop("served_model_names")
     config = (config or ServerConfig()).replace(**options)
     names = list(config.served_model_name or [client.model_name])
     state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]),

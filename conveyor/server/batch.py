@@ -209,7 +209,7 @@ def add_run_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
     # lazy: keeps torch out of the CLI's start-up
-    from conveyor.engine.async_engine import AsyncEngine
+    from conveyor.transport.thread import AsyncEngine
     from conveyor.server.app import build_app
 
     input_path, output_path = Path(args.input_file), Path(args.output_file)

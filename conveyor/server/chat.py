@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.frontend.outputs import CompletionOutput, RequestOutput
 from conveyor.server.completions import usage_of
 from conveyor.server.errors import APIError
 from conveyor.server.inputs import chat_prompt, chat_sampling, off_loop_if_big, process_request, text_chars

@@ -61,8 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # lazy: keeps torch and uvicorn out of the CLI's start-up
     import uvicorn
 
-    from conveyor.engine.async_engine import AsyncEngine
-    from conveyor.engine.process_engine import freeze_gc
+    from conveyor.transport.thread import AsyncEngine
+    from conveyor.transport.process import freeze_gc
     from conveyor.parallel.tp import launched_by_torchrun, run_worker_from_env
     from conveyor.server.app import build_app
 
@@ -95,12 +95,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit("--data-parallel-size > 1 runs each replica in its own process; "
                              "drop --no-engine-process")
         # lazy: keeps torch out of the CLI's start-up
-        from conveyor.engine.data_parallel import DataParallelEngine
+        from conveyor.transport.data_parallel import DataParallelEngine
 
         engine = DataParallelEngine(config, server.data_parallel_size, server.router, max_waiting=max_waiting)
     elif server.engine_process:
         # lazy: keeps torch out of the CLI's start-up
-        from conveyor.engine.process_engine import ProcessEngine
+        from conveyor.transport.process import ProcessEngine
 
         engine = ProcessEngine(config, max_waiting=max_waiting)
     else:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.server.errors import APIError
 from conveyor.server.inputs import (completion_prompts, completion_sampling, process_request, off_loop_if_big,
                                    text_chars)

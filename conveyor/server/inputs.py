@@ -1,5 +1,5 @@
 """Turn an API request into engine inputs: token ids per prompt (chat templates rendered here) and
-SamplingParams under the API's names; then the engine's one input processor (engine/inputs.py) makes
+SamplingParams under the API's names; then the engine's one input processor (frontend/inputs.py) makes
 each a ProcessedRequest."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from conveyor.engine.async_engine import EngineClient
-from conveyor.engine.inputs import ApiNames, ProcessedRequest, Prompt
+from conveyor.frontend.client import EngineClient
+from conveyor.frontend.inputs import ApiNames, ProcessedRequest, Prompt
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import KINDS as STRUCTURED_KINDS, StructuredOutputsParams
 from conveyor.server.errors import bad_request, invalid_request
@@ -50,7 +50,7 @@ async def off_loop_if_big(chars: int, fn: Callable[..., T], *args: object) -> T:
 
 
 def check_text_size(client: EngineClient, chars: int, param: str) -> None:
-    """Reject a text that cannot fit the context whatever its tokens, before tokenizing it (engine/inputs.py)."""
+    """Reject a text that cannot fit the context whatever its tokens, before tokenizing it (frontend/inputs.py)."""
     try:
         client.inputs.check_text_size(chars, param)
     except ValueError as e:
@@ -265,7 +265,7 @@ def chat_sampling(req: ChatCompletionRequest, tools: ToolPlan | None = None,
 
 def process_request(client: EngineClient, prompt: Prompt, params: SamplingParams, prompt_param: str,
                     max_tokens_param: str = "max_tokens", cache_salt: str | None = None) -> ProcessedRequest:
-    """The engine's input processing (engine/inputs.py: truncation, the context, every check) under this
+    """The engine's input processing (frontend/inputs.py: truncation, the context, every check) under this
     route's parameter names; a refusal is a 400 naming the parameter. A missing max_tokens becomes the
     model's default max_tokens, capped by what the context leaves."""
     try:

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.stats import EngineStats
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.core.stats import EngineStats
 
 logger = logging.getLogger("conveyor.server")
 

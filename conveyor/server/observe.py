@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.request import RequestMetrics
 from conveyor.sampling.params import SamplingParams
 
 from conveyor.server.tracing import RequestTracer   # imports OpenTelemetry only when a tracer is made
 
 if TYPE_CHECKING:
-    from conveyor.engine.async_engine import RequestStream
+    from conveyor.frontend.client import RequestStream
 
 logger = logging.getLogger("conveyor.requests")
 

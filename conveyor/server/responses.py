@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.inputs import (chat_prompt, chat_sampling, process_request, format_constraint, off_loop_if_big,
                                     text_chars)

@@ -29,10 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.errors import APIError, bad_request
-from conveyor.engine.inputs import ProcessedRequest
+from conveyor.frontend.inputs import ProcessedRequest
 from conveyor.server.inputs import Prompt, check_text_size, encode, off_loop_if_big, process_request, text_chars
 from conveyor.server.protocol import UsageInfo, _Body
 from conveyor.server.serving import cancel_on_disconnect, collect_finals, submit

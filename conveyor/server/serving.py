@@ -14,12 +14,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from conveyor.engine.async_engine import EngineClient, EngineDeadError, Overloaded, RequestStream
-from conveyor.engine.outputs import RequestOutput
+from conveyor.core.engine_core import EngineDeadError
+
+from conveyor.frontend.client import EngineClient, Overloaded, RequestStream
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
 from conveyor.server import observe
 from conveyor.server.errors import APIError
-from conveyor.engine.inputs import ProcessedRequest
+from conveyor.frontend.inputs import ProcessedRequest
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.async_engine import EngineClient
+from conveyor.frontend.client import EngineClient
 from conveyor.server.errors import APIError
 from conveyor.server.logprobs import TokenTexts
 from conveyor.server.metrics import ServerMetrics

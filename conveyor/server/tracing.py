@@ -14,7 +14,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from conveyor.engine.outputs import RequestOutput
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.request import RequestMetrics
 from conveyor.sampling.params import SamplingParams
 

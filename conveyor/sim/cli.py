@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from conveyor.config import EngineConfig, add_engine_args, config_from_args, option_names
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 from conveyor.paths import profile_path
 from conveyor.routing import ALIASES, POLICIES
 from conveyor.scheduler.costs import CostModel, StepCostModel

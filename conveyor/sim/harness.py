@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.engine.core import EngineCore
-from conveyor.engine.trace import StepTracer
+from conveyor.core.engine_core import EngineCore
+from conveyor.core.trace import StepTracer
 from conveyor.kv.events import KVEventRecorder
 from conveyor.request import Request
 from conveyor.routing import Router, replica_load

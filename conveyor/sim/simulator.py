@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from conveyor.engine.core import EngineCore
-from conveyor.engine.stats import EngineStats
-from conveyor.engine.trace import StepTracer
+from conveyor.core.engine_core import EngineCore
+from conveyor.core.stats import EngineStats
+from conveyor.core.trace import StepTracer
 from conveyor.kv.manager import KVCacheManager
 from conveyor.routing import Router
 from conveyor.scheduler.config import SchedulerConfig

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 from conveyor.scheduler.costs import AfterPrefill, StepCostModel, StepShape, flat_hat_weights
 from conveyor.sim.harness import run_on_engine
 from conveyor.sim.simulator import engine_knobs, saturation_rate

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor import LLM
-from conveyor.engine.core import EngineDeadError
+from conveyor.core.engine_core import EngineDeadError
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 

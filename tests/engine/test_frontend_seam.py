@@ -8,11 +8,11 @@ import asyncio
 import msgspec
 import pytest
 
-import conveyor.engine.inputs as inputs_mod
-from conveyor.engine.async_engine import AsyncEngine
-from conveyor.engine.core import idle_violations
-from conveyor.engine.inputs import InvalidRequestError
-from conveyor.engine.wire import StepResults, decode_result, encode
+import conveyor.frontend.inputs as inputs_mod
+from conveyor.transport.thread import AsyncEngine
+from conveyor.core.engine_core import idle_violations
+from conveyor.frontend.inputs import InvalidRequestError
+from conveyor.core.wire import StepResults, decode_result, encode
 from conveyor.sampling.params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.engine.inputs import cache_salt_of, token_id_list, validate_request
+from conveyor.frontend.inputs import InputProcessor, cache_salt_of, token_id_list, validate_request
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
@@ -38,3 +38,13 @@ def test_cache_salt(salt):
     assert e.value.param == "cache_salt"
     assert cache_salt_of({"prompt": "x"}) is None and cache_salt_of({"prompt": "x", "cache_salt": "a"}) == "a"
     assert cache_salt_of([1, 2], "b") == "b"
+
+
+def test_params_changed_after_construction_are_checked_again():
+    """SamplingParams validate when built; a field set later is checked when the request is processed,
+    not left for the engine process to refuse (where decoding it would fail the whole pipe)."""
+    params = SamplingParams(max_tokens=4)
+    params.max_tokens = 0
+    with pytest.raises(InvalidRequestError) as e:
+        InputProcessor(None, VOCAB, CONTEXT, [0]).process([1, 2], params)
+    assert e.value.param == "max_tokens"

@@ -309,7 +309,7 @@ def test_process_engine_replica_publishes_on_its_own_port(ports):
     import asyncio
 
     from conveyor.config import EngineConfig
-    from conveyor.engine.process_engine import ProcessEngine
+    from conveyor.transport.process import ProcessEngine
 
     base_pub, base_rep = ports[0] - 1, ports[1] - 1   # replica 1 binds base + 1: the free ports
     config = EngineConfig.from_options(dtype="float32", num_kv_blocks=64, cost_model="none", data_parallel_rank=1,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 from conveyor.profile import profile
 from conveyor.sim.cost import StepCostModel
 from conveyor.sim.harness import TOKEN_RANGE, run_on_engine

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from conveyor.engine.stats import CoreStats, EngineStats
+from conveyor.core.stats import CoreStats, EngineStats
 from conveyor.kv.manager import KVCacheManager
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.scheduler import Scheduler, SchedulerStats

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.core import SeqUpdate
-from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.stop_strings import StopAutomaton, StopScanner, compile_stops
+from conveyor.core.engine_core import SeqUpdate
+from conveyor.frontend.output_processor import OutputProcessor
+from conveyor.frontend.stop_strings import StopAutomaton, StopScanner, compile_stops
 from conveyor.request import RequestMetrics, RequestStatus
 from conveyor.sampling.params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 

@@ -1,4 +1,4 @@
-"""The typed wire between a front end and an engine loop (conveyor/engine/wire.py): every message
+"""The typed wire between a front end and an engine loop (conveyor/core/wire.py): every message
 comes back as what was sent, typed to the field (no dict where a declared type was sent), and
 anything that is not one of this version's messages is refused."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from conveyor.engine.stats import EngineStats
-from conveyor.engine.wire import (WIRE_VERSION, Closed, EngineRequest, Finish, LoopFailed, Ready, Shutdown,
+from conveyor.core.stats import EngineStats
+from conveyor.core.wire import (WIRE_VERSION, Closed, EngineRequest, Finish, LoopFailed, Ready, Shutdown,
                                   StartFailed, StepResults, WireError, check_version, decode_command,
                                   decode_result, encode)
 from conveyor.errors import InvalidRequestError

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from conveyor.engine.core import EngineCore
+from conveyor.core.engine_core import EngineCore
 from conveyor.kv.manager import KVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaForCausalLM as ConveyorModel

@@ -111,7 +111,7 @@ def test_the_engine_process_runs_a_tensor_parallel_engine(tiny_models):
     import asyncio
 
     from conveyor.config import EngineConfig
-    from conveyor.engine.process_engine import ProcessEngine
+    from conveyor.transport.process import ProcessEngine
 
     path = with_tokenizer(tiny_models("qwen3").path)
     prompt = random_prompts([20], seed=7)[0]

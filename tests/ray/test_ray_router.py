@@ -16,6 +16,9 @@ pytest.importorskip("ray.serve")
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
 
+from conveyor.frontend.inputs import ProcessedRequest  # noqa: E402
+from conveyor.sampling.params import SamplingParams  # noqa: E402
+
 DEPLOYMENT = DeploymentID(name="ConveyorEngine", app_name="conveyor")
 PREFIX = list(range(1000, 1000 + 16 * 4))   # 4 full blocks of 16
 
@@ -34,7 +37,7 @@ def _replicas():
 
 
 def _choose(router, replicas, ids):
-    request = SimpleNamespace(args=[{"prompt_token_ids": ids}])
+    request = SimpleNamespace(args=[ProcessedRequest(None, ids, SamplingParams())])   # as generate() receives it
     ranked = asyncio.run(router.choose_replicas(replicas, request))
     return ranked[0][0]
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conveyor.engine.core import EngineDeadError
+from conveyor.core.engine_core import EngineDeadError
 from conveyor.request import RequestStatus
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import ModelOutput

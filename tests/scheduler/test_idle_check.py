@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from conveyor.engine.core import idle_violations
+from conveyor.core.engine_core import idle_violations
 from conveyor.request import RequestStatus
 from conveyor.scheduler.config import SchedulerConfig
 from test_scheduler_props import Sim, make_request
@@ -47,7 +47,7 @@ def test_a_corrupt_ref_count_is_logged_and_counted_and_the_engine_goes_on(caplog
     victim = next(reversed(sim.kv.pool.free))
     sim.kv.pool.blocks[victim].ref_count += 1
     sim.add(make_request("b", [4, 5, 6], 2, ignore_eos=True, seed=1))
-    with caplog.at_level(logging.ERROR, logger="conveyor.engine.core"):
+    with caplog.at_level(logging.ERROR, logger="conveyor.core.engine_core"):
         sim.run(20)
     assert sim.all["b"].status == RequestStatus.FINISHED_LENGTH
     assert counts(sim) == (2, 1)

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.engine.core import EngineCore
+from conveyor.core.engine_core import EngineCore
 from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
 from conveyor.request import Request, RequestStatus

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
 from test_scheduler_props import Sim, make_request
 

@@ -18,9 +18,9 @@ import torch
 import uvicorn
 
 from conveyor.bench.serve import free_port  # noqa: F401 - the server tests import it from here
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.transport.thread import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
-from conveyor.engine.stats import EngineStats
+from conveyor.core.stats import EngineStats
 from conveyor.model.loader import LoadedModel, load_model
 from conveyor.server.app import build_app
 

@@ -8,7 +8,11 @@ import time
 
 import pytest
 
-from conveyor.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded
+from conveyor.core.engine_core import EngineDeadError
+
+from conveyor.frontend.client import Overloaded
+
+from conveyor.transport.thread import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams

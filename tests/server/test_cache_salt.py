@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from conveyor.config import EngineConfig
-from conveyor.engine.process_engine import ProcessEngine
+from conveyor.transport.process import ProcessEngine
 from conveyor.sampling.params import SamplingParams
 
 PROMPT = "Salted prompts share cached blocks only with the same salt, so one tenant cannot probe another. " * 3

@@ -15,10 +15,10 @@ import pytest
 import uvicorn
 
 from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.data_parallel import DataParallelEngine, Router
+from conveyor.core.engine_core import EngineDeadError
+from conveyor.transport.data_parallel import DataParallelEngine, Router
 from conveyor.engine.engine import Engine
-from conveyor.engine.stats import EngineStats
+from conveyor.core.stats import EngineStats
 from conveyor.routing import external_hash, prefix_keys
 from conveyor.sampling.params import SamplingParams
 from conveyor.server.app import build_app
@@ -254,7 +254,7 @@ def load_gauges(text: str) -> dict[tuple[str, str], float]:
 
 
 def test_each_replica_gets_its_rank_and_its_own_step_trace_file(tmp_path):
-    from conveyor.engine.data_parallel import replica_config
+    from conveyor.transport.data_parallel import replica_config
 
     config = EngineConfig.from_options(step_trace=str(tmp_path / "trace.json"))
     ranks = [replica_config(config, r) for r in (0, 1)]

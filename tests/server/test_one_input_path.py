@@ -1,4 +1,4 @@
-"""Every API route goes through the one input processor (engine/inputs.py): the same bad input is
+"""Every API route goes through the one input processor (frontend/inputs.py): the same bad input is
 refused by each with the same code, under the route's own name for the field; and nothing of a
 refused request reaches the engine."""
 

@@ -10,10 +10,10 @@ import signal
 import pytest
 
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Overloaded
-from conveyor.engine.core import EngineDeadError
+from conveyor.frontend.client import Overloaded
+from conveyor.core.engine_core import EngineDeadError
 from conveyor.engine.engine import Engine
-from conveyor.engine.process_engine import ProcessEngine
+from conveyor.transport.process import ProcessEngine
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 
@@ -108,7 +108,7 @@ def test_a_program_that_never_closes_its_engine_still_exits(tmp_path):
     script = tmp_path / "forget.py"
     script.write_text(
         "from conveyor.config import EngineConfig\n"
-        "from conveyor.engine.process_engine import ProcessEngine\n"
+        "from conveyor.transport.process import ProcessEngine\n"
         "if __name__ == '__main__':\n"
         "    ProcessEngine(EngineConfig.from_options(dtype='float32', num_kv_blocks=16, cost_model='none'))\n"
         "    print('started', flush=True)\n")
@@ -133,7 +133,7 @@ def test_a_request_that_cannot_cross_the_pipe_is_refused_and_leaves_nothing_behi
 
 def test_an_engine_process_of_another_wire_version_is_refused(monkeypatch):
     """The child checks the front end's wire version before it loads anything, and says why."""
-    import conveyor.engine.process_engine as pe
+    import conveyor.transport.process as pe
 
     monkeypatch.setattr(pe, "WIRE_VERSION", pe.WIRE_VERSION + 1)
     with pytest.raises(RuntimeError, match=r"could not start: WireError: the front end speaks wire version"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.transport.thread import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.server.app import build_app
 from conveyor.server.batch import answered_ids, read_requests, run_batch

@@ -53,6 +53,8 @@ def test_the_api_key_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv("CONVEYOR_API_KEY", "from-env")
     assert server_config_from_args(_serve()).api_key == "from-env"
     assert server_config_from_args(_serve("--api-key", "flag")).api_key == "flag"
+    monkeypatch.setenv("CONVEYOR_API_KEY", "")   # set but empty: an open server, as when unset
+    assert server_config_from_args(_serve()).api_key is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from conftest import start_server
 from conveyor.sampling.params import SamplingParams
-from conveyor.server.inputs import Prompt, fit_to_context
+from conveyor.frontend.inputs import ApiNames, InputProcessor, Prompt
 
 pytestmark = pytest.mark.slow   # real demo model behind a real HTTP server
 
@@ -52,13 +51,12 @@ def test_omitted_fields_take_the_models_defaults_and_given_ones_win(defaults_ser
 
 
 def test_a_default_max_tokens_is_capped_by_the_context_left():
-    client = SimpleNamespace(max_model_len=50, generation_defaults={"max_tokens": 100}, validate=lambda ids, p: None)
-    params = SamplingParams(max_tokens=None)
-    assert fit_to_context(client, Prompt(None, list(range(20))), params, "prompt").max_tokens == 30
-    client.generation_defaults = {"max_tokens": 10}
-    assert fit_to_context(client, Prompt(None, list(range(20))), params, "prompt").max_tokens == 10
-    client.generation_defaults = {}
-    assert fit_to_context(client, Prompt(None, list(range(20))), params, "prompt").max_tokens == 30
+    params, prompt = SamplingParams(max_tokens=None), Prompt(None, list(range(20)))
+    for defaults, want in (({"max_tokens": 100}, 30), ({"max_tokens": 10}, 10), ({}, 30)):
+        inputs = InputProcessor(None, 1000, 50, [0], generation_defaults=defaults)
+        assert inputs.process(prompt, params, api=ApiNames()).params.max_tokens == want
+    assert params.max_tokens is None   # the caller's params are not changed
+    assert inputs.process(prompt, params).params.max_tokens is None   # offline: up to the context, as given
 
 
 def readme_first_request() -> tuple[str, dict]:

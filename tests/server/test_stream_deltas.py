@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from conftest import start_server
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.transport.thread import AsyncEngine
 from conveyor.engine.engine import Engine, EngineConfig
 from conveyor.sampling.params import SamplingParams
 

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from conftest import start_server  # noqa: E402
 
-from conveyor.engine.core import metrics_snapshot  # noqa: E402
+from conveyor.core.engine_core import metrics_snapshot  # noqa: E402
 from conveyor.request import Request  # noqa: E402
 from conveyor.sampling.params import SamplingParams  # noqa: E402
 from conveyor.server.tracing import make_tracer_provider  # noqa: E402

@@ -16,11 +16,11 @@ import threading
 import pytest
 
 from conveyor.cli import main
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.data_parallel import DataParallelEngine
-from conveyor.engine.inputs import InputProcessor, ProcessedRequest
-from conveyor.engine.data_parallel import Router as ServerRouter
-from conveyor.engine.stats import EngineStats
+from conveyor.core.engine_core import EngineDeadError
+from conveyor.transport.data_parallel import DataParallelEngine
+from conveyor.frontend.inputs import InputProcessor, ProcessedRequest
+from conveyor.transport.data_parallel import Router as ServerRouter
+from conveyor.core.stats import EngineStats
 from conveyor.kv.manager import block_content, chain_hash, extra_keys
 from conveyor.request import Request
 from conveyor.routing import NoReplicaError, Router, external_hash, policy_name, prefix_keys, replica_load

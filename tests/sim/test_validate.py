@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.trace import StepTracer
+from conveyor.core.engine_core import EngineDeadError
+from conveyor.core.trace import StepTracer
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.sim.cost import AfterPrefill, StepCostModel, StepShape
 from conveyor.sim.simulator import SimRequest, simulate

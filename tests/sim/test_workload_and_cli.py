@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from conveyor.cli import main
-from conveyor.engine.trace import StepTracer
+from conveyor.core.trace import StepTracer
 from conveyor.sim.cli import find_max_rate, parse_slo
 from conveyor.sim.workload import LengthDist, WorkloadSpec, arrival_times, load_trace, save_trace
 

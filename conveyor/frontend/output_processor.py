@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from conveyor.engine.core import SeqUpdate
-from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from conveyor.engine.stop_strings import StopScanner
-from conveyor.engine.wire import Finish
+from conveyor.core.engine_core import SeqUpdate
+from conveyor.frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from conveyor.frontend.stop_strings import StopScanner
+from conveyor.core.wire import Finish
 from conveyor.request import RequestMetrics, RequestStatus
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.output import LogprobEntry

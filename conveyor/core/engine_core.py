@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from conveyor.engine.stats import CoreStats, EngineStats
-from conveyor.engine.trace import StepTracer
+from conveyor.core.stats import CoreStats, EngineStats
+from conveyor.core.trace import StepTracer
 from conveyor.request import Request, RequestMetrics, RequestStatus
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
 from conveyor.scheduler.output import LogprobEntry, ModelOutput, SchedulerOutput
@@ -96,7 +96,7 @@ class EngineCore:
         self.stats = CoreStats()
         self.dead_reason: str | None = None
         self.last_plan: SchedulerOutput | None = None
-        self.tracer: StepTracer | None = None   # opt-in per-step records (engine/trace.py)
+        self.tracer: StepTracer | None = None   # opt-in per-step records (core/trace.py)
         self.grammars = None   # structured outputs: a sampling.structured.GrammarBackend, set by the engine
         self._busy = False     # requests came since the last idle check
         # The O(blocks) part of the idle check (every block's ref count, check_invariants) may take at

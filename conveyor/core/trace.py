@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from conveyor.engine.stats import EngineStats
+from conveyor.core.stats import EngineStats
 from conveyor.scheduler.costs import StepShape
 from conveyor.scheduler.output import SchedulerOutput
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from conveyor.engine.core import SeqUpdate
-from conveyor.engine.stats import EngineStats
+from conveyor.core.engine_core import SeqUpdate
+from conveyor.core.stats import EngineStats
 from conveyor.errors import InvalidRequestError
 from conveyor.request import RequestStatus
 from conveyor.sampling.params import SamplingParams

@@ -40,12 +40,12 @@ from typing import Callable
 
 from conveyor import routing
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import Overloaded, RequestStream
-from conveyor.engine.core import EngineDeadError
-from conveyor.engine.inputs import ProcessedRequest
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.process_engine import ProcessEngine
-from conveyor.engine.stats import EngineStats
+from conveyor.frontend.client import Overloaded, RequestStream
+from conveyor.core.engine_core import EngineDeadError
+from conveyor.frontend.inputs import ProcessedRequest
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.transport.process import ProcessEngine
+from conveyor.core.stats import EngineStats
 from conveyor.kv.events import binds, offset_endpoint
 from conveyor.routing import POLICIES, NoReplicaError, replica_load
 from conveyor.sampling.params import SamplingParams

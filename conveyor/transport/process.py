@@ -24,13 +24,14 @@ import threading
 import time
 
 from conveyor.config import EngineConfig
-from conveyor.engine.async_engine import EngineLoop, StreamingClient
-from conveyor.engine.core import EngineDeadError, SeqUpdate
+from conveyor.core.loop import EngineLoop
+from conveyor.frontend.client import StreamingClient
+from conveyor.core.engine_core import EngineDeadError, SeqUpdate
 from conveyor.engine.engine import EngineBackend
-from conveyor.engine.frontend import FrontEnd
-from conveyor.engine.inputs import InputProcessor, grammar_backend
-from conveyor.engine.stats import EngineStats
-from conveyor.engine.wire import (WIRE_VERSION, Closed, Command, EngineRequest, LoopFailed, Ready, Result, Shutdown,
+from conveyor.frontend.front_end import FrontEnd
+from conveyor.frontend.inputs import InputProcessor, grammar_backend
+from conveyor.core.stats import EngineStats
+from conveyor.core.wire import (WIRE_VERSION, Closed, Command, EngineRequest, LoopFailed, Ready, Result, Shutdown,
                                   StartFailed, StepResults, WireError, check_version, decode_command, decode_result,
                                   encode)
 from conveyor.model.loader import load_tokenizer

@@ -3,7 +3,7 @@
 Decisions (the async loop's stall check and back-pressure, data-parallel routing, idle checks in
 tests) read its fields; ``as_dict()`` exists only for output (Prometheus, JSON, benchmark files),
 so a renamed counter breaks at the reader, not silently in a string key. It crosses the
-process-engine pipe (engine/wire.py), so every field has a declared type. No torch here.
+process-engine pipe (core/wire.py), so every field has a declared type. No torch here.
 """
 
 from __future__ import annotations

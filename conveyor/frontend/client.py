@@ -1,14 +1,8 @@
-"""The engine's step loop beside an event loop, with a per-request async stream of outputs.
-
-``EngineLoop`` is the loop: only it touches the ``EngineBackend`` (the model and the engine
-core); callers post commands (add a validated request, finish sequences, stop) to a
-thread-safe queue, applied between steps, and each step's per-sequence deltas and stats go to
-a sink. The caller's side, ``StreamingClient``, is the front end: it validates and registers
-requests, turns the deltas into outputs (detokenization, stop strings, ``n`` siblings) and
-hands them to the request streams. ``AsyncEngine`` runs the loop on a background thread of the
-server's process; ``ProcessEngine`` (process_engine.py) runs it in a child process, where the
-front end's work overlaps the next forward pass. The HTTP layer only sees the
-``EngineClient`` protocol.
+"""The caller's side of an engine, whatever carries its commands: ``EngineClient`` (what the HTTP
+layer needs), the per-request async ``RequestStream`` and ``StreamingClient``, the front end that the
+in-process thread and the child process transports share (transport/): it processes and registers
+requests, turns the loop's deltas into outputs (detokenization, stop strings, ``n`` siblings) and
+hands them to the streams, with back-pressure and health. No torch here.
 """
 
 from __future__ import annotations
@@ -17,26 +11,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from conveyor.config import EngineConfig
-from conveyor.engine.core import EngineDeadError, SeqUpdate
-from conveyor.engine.engine import Engine, EngineBackend
-from conveyor.engine.frontend import FrontEnd
-from conveyor.engine.inputs import InputProcessor, ProcessedRequest
-from conveyor.engine.output_processor import error_output
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.stats import EngineStats
-from conveyor.engine.wire import Command, EngineRequest, Finish, Shutdown
+from conveyor.core.engine_core import EngineDeadError, SeqUpdate
+from conveyor.core.stats import EngineStats
+from conveyor.core.wire import Command, Finish, Shutdown
+from conveyor.frontend.front_end import FrontEnd
+from conveyor.frontend.inputs import InputProcessor, ProcessedRequest
+from conveyor.frontend.output_processor import error_output
+from conveyor.frontend.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
 from conveyor.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# How long the loop waits before retrying when requests exist but nothing could be scheduled.
-_STALL_WAIT_S = 0.01
 
 
 class Overloaded(RuntimeError):
@@ -50,7 +38,7 @@ class EngineClient(Protocol):
     max_model_len: int
     tokenizer: Tokenizer
     generation_defaults: dict   # the model's default sampling fields (conveyor/sampling/defaults.py)
-    inputs: InputProcessor      # every check a request gets, in the caller's process (engine/inputs.py)
+    inputs: InputProcessor      # every check a request gets, in the caller's process (frontend/inputs.py)
 
     def add_request(self, prompt: str | list[int] | dict | ProcessedRequest, params: SamplingParams | None,
                     request_id: str, priority: int = 0) -> RequestStream: ...
@@ -108,103 +96,6 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         if b.delta_logprobs is not None:
             b.delta_logprobs = (a.delta_logprobs or ()) + b.delta_logprobs
     return new
-
-
-class LoopSink(Protocol):
-    """Where an EngineLoop's results go (a client in this process, or a pipe to one)."""
-
-    def deliver(self, updates: list[SeqUpdate], stats: EngineStats, applied_seqs: int) -> None: ...
-
-    def failed(self, error: BaseException) -> None: ...
-
-
-class EngineLoop:
-    """The engine's step loop: commands applied between steps, results handed to a sink."""
-
-    def __init__(self, engine: EngineBackend, sink: LoopSink):
-        self.engine = engine
-        self.sink = sink
-        self._cv = threading.Condition()
-        self._commands: deque = deque()
-        self._step_time_total = 0.0
-
-    def post(self, command: Command) -> None:
-        with self._cv:
-            self._commands.append(command)
-            self._cv.notify()
-
-    def run(self) -> None:
-        """Step until a Shutdown's requests are done (or its deadline passed); never raises."""
-        stale = False      # counts in the stats lag until a schedule() runs after the last change
-        stalled = False    # requests exist but the last step scheduled nothing
-        stop: Shutdown | None = None
-        try:
-            while True:
-                commands, stop = self._wait_for_work(stale, stalled, stop)
-                added, updates = self._apply(commands)
-                busy = self.engine.has_unfinished()
-                if stop is not None and (not busy or time.monotonic() >= stop.deadline):
-                    self._step(added, updates + self._abort_all())
-                    return
-                if busy or stale or added or updates:
-                    stalled = self._step(added, updates) and self.engine.has_unfinished()
-                    stale = busy
-                if self.engine.dead:   # its requests already failed in the step that killed it
-                    raise EngineDeadError(f"the engine stopped: {self.engine.core.dead_reason}")
-        except BaseException as e:   # noqa: BLE001 - any failure ends the loop; the streams must hear of it
-            if not isinstance(e, EngineDeadError):
-                logger.exception("engine loop failed")
-            self.sink.failed(e)
-        finally:
-            try:
-                self.engine.save_trace()
-            except Exception:   # noqa: BLE001 - a trace that cannot be written must not hide the exit
-                logger.exception("could not write the step trace")
-            try:
-                self.engine.close()
-            except Exception:   # noqa: BLE001
-                logger.exception("could not stop the tensor-parallel ranks")
-
-    def _wait_for_work(self, stale: bool, stalled: bool, stop: Shutdown | None) -> tuple[list, Shutdown | None]:
-        with self._cv:
-            idle = not self.engine.has_unfinished() and not stale
-            if not self._commands and stop is None and (idle or stalled):
-                self._cv.wait(timeout=None if idle else _STALL_WAIT_S)
-            elif not self._commands and stop is not None and stalled:
-                self._cv.wait(timeout=max(0.0, min(_STALL_WAIT_S, stop.deadline - time.monotonic())))
-            commands = list(self._commands)
-            self._commands.clear()
-        for c in commands:
-            if isinstance(c, Shutdown) and (stop is None or c.deadline < stop.deadline):
-                stop = c
-        return commands, stop
-
-    def _apply(self, commands: list) -> tuple[int, list[SeqUpdate]]:
-        """Apply queued commands in order; returns the number of sequences added and the deltas the
-        commands produced (errors of the requests the core refused, the callers' aborts)."""
-        added, rejected = 0, []
-        for c in commands:
-            if isinstance(c, EngineRequest):
-                added += len(c.seq_ids)
-                try:
-                    self.engine.add(c)
-                except Exception as e:   # noqa: BLE001 - a bad request must not stop the loop
-                    rejected += [SeqUpdate(sid, None, None, "error", None, str(e), None) for sid in c.seq_ids]
-            elif isinstance(c, Finish):
-                rejected += self.engine.finish(c)
-        return added, rejected
-
-    def _abort_all(self) -> list[SeqUpdate]:
-        """Shutdown: abort every live sequence; their deltas say so."""
-        return self.engine.finish(Finish(seq_ids=list(self.engine.core.scheduler.requests), report=True))
-
-    def _step(self, added: int, extra: list[SeqUpdate]) -> bool:
-        """One engine step; hands over its deltas (after `extra`) and the stats. Returns True if it stalled."""
-        updates = self.engine.run_step()
-        self._step_time_total += self.engine.last_step_time
-        stats = self.engine.stats().replace(step_time_total=self._step_time_total)   # seconds in step(), all steps
-        self.sink.deliver(extra + updates if extra else updates, stats, added)
-        return not updates and stats.step_tokens == 0
 
 
 @dataclass(slots=True)
@@ -349,42 +240,6 @@ class StreamingClient:
                         listener(out)
                     except Exception:   # noqa: BLE001 - metrics must not break delivery
                         logger.exception("finished-request listener failed")
-
-
-class AsyncEngine(StreamingClient):
-    """Runs `engine`'s loop on a background thread of this process; see the module docstring."""
-
-    def __init__(self, engine: Engine, max_waiting: int | None = None):
-        super().__init__(max_waiting, engine.stats(), engine.frontend)
-        self.engine = engine
-        self.model_name = engine.model_name
-        self.max_model_len = engine.max_model_len   # already capped at the KV cache's size
-        self.generation_defaults = engine.generation_defaults
-        self._loop = EngineLoop(engine, self)
-        self._thread = threading.Thread(target=self._loop.run, name="conveyor-engine", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting: int | None = None) -> AsyncEngine:
-        return cls(Engine(config), max_waiting)
-
-    def _post(self, command: Command) -> None:
-        self._loop.post(command)
-
-    @property
-    def is_healthy(self) -> bool:
-        """Running and accepting requests (False from the start of a shutdown, or once the engine died)."""
-        return self._accepting and self._error is None and self._thread.is_alive()
-
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to `timeout` s, abort the rest."""
-        self._stop(timeout)
-        await asyncio.to_thread(self._thread.join)
-
-    def close(self, timeout: float = 0.0) -> None:
-        """Blocking shutdown, for callers without an event loop (outputs still queued are dropped)."""
-        self._stop(timeout)
-        self._thread.join()
 
 
 def _dead_message(error: BaseException | None) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from conveyor.engine.stop_strings import compile_stops
+from conveyor.frontend.stop_strings import compile_stops
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import GrammarBackend
@@ -137,7 +137,7 @@ class InputProcessor:
         """Tokenize (unless given a Prompt) and validate; `api`: the route's names and rules (ApiNames)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params = (params or self.default_params).clone()
+        params = (params or self.default_params).checked_copy()   # checked again: it may have changed since
         params.eos_token_ids = self.eos_token_ids
         text, ids = self._prompt(prompt)
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:

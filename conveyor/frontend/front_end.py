@@ -15,11 +15,11 @@ from __future__ import annotations
 import numbers
 import random
 
-from conveyor.engine.core import SeqUpdate
-from conveyor.engine.inputs import InputProcessor, InvalidRequestError, ProcessedRequest
-from conveyor.engine.output_processor import OutputProcessor
-from conveyor.engine.outputs import RequestOutput
-from conveyor.engine.wire import EngineRequest, Finish
+from conveyor.core.engine_core import SeqUpdate
+from conveyor.frontend.inputs import InputProcessor, InvalidRequestError, ProcessedRequest
+from conveyor.frontend.output_processor import OutputProcessor
+from conveyor.frontend.outputs import RequestOutput
+from conveyor.core.wire import EngineRequest, Finish
 from conveyor.sampling.params import SamplingParams
 
 
