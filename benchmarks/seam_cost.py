@@ -218,9 +218,10 @@ def engine_worker(tree: Path, streams: int, lengths: list[int], torch_threads: i
     check_tree(tree)
     from conveyor.config import EngineConfig
     from conveyor.scheduler.config import SchedulerConfig
-    try:
+    # by the tree, not by trying: the editable install would find a module the tree lacks in the checkout
+    if (tree / "conveyor" / "transport").is_dir():
         from conveyor.transport.process import ProcessEngine
-    except ImportError:   # a baseline from before the folders by process side (issue 53)
+    else:   # a baseline from before the folders by process side (issue 53)
         from conveyor.engine.process_engine import ProcessEngine
 
     longest = PROMPT_LEN + max(lengths)
@@ -311,9 +312,9 @@ class PicklingExecutor:
 
 
 def plan_one(context: int, penalty: bool) -> dict:
-    try:
+    if (Path(os.environ["PYTHONPATH"]) / "conveyor" / "core").is_dir():   # by the tree (see engine_worker)
         from conveyor.core.engine_core import EngineCore
-    except ImportError:   # a baseline from before the folders by process side (issue 53)
+    else:   # a baseline from before the folders by process side (issue 53)
         from conveyor.engine.core import EngineCore
     from conveyor.kv.manager import KVCacheManager
     from conveyor.request import Request

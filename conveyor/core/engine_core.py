@@ -23,8 +23,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from conveyor.core.stats import CoreStats, EngineStats
 from conveyor.core.trace import StepTracer
@@ -53,10 +54,11 @@ class Executor(Protocol):
         """Compute the plan's tokens and sample one token per sequence whose ``sample`` is set (by request id)."""
 
 
-@dataclass(slots=True)
-class SeqUpdate:
+class SeqUpdate(msgspec.Struct, array_like=True):
     """What one step changed for one sequence (a delta, keyed by its id): a new token, a finish, or
-    both; or an error. Nothing sent before is sent again. It crosses the process pipe (wire.py)."""
+    both; or an error. Nothing sent before is sent again. It crosses the process pipe (wire.py) as an
+    array of its fields in this order (there is one per sequence per step): a field is only ever added
+    at the end, with a default."""
 
     seq_id: str                        # the sequence (the core's Request.request_id); not the caller's request id
     token_id: int | None

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.row import SamplingRow  # noqa: F401 - re-exported (the runner's per-request view)
 
@@ -86,11 +88,11 @@ class SchedulerOutput:
         return bool(self.swap_out or self.swap_in)
 
 
-@dataclass(slots=True)
-class LogprobEntry:
+class LogprobEntry(msgspec.Struct, array_like=True):
     """One position's logprobs: the top-k alternatives and the target token (the sampled one, or
     the prompt token), with the target's exact rank under the raw logits (1 = most likely) --
-    which the dict alone cannot tell when the target is outside the top-k."""
+    which the dict alone cannot tell when the target is outside the top-k. Crosses the process pipe
+    (core/wire.py) as [logprobs, token_id, rank]."""
 
     logprobs: dict[int, float]
     token_id: int
