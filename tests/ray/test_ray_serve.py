@@ -78,6 +78,7 @@ def _free_ports(n: int) -> int:
 
 
 KV_EVENTS = {}   # "base": publishers bound at base + 0, + 1 (replica ranks 0, 1); replay sockets at + 2, + 3
+DEPLOY = {"seconds": 0.0}   # how long the fixture's deployment took to come up
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,9 @@ def ray_serve():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.monotonic()
         serve.run(build_application(config, num_replicas=2, num_cpus=1), name="conveyor", route_prefix="/")
+        DEPLOY["seconds"] = time.monotonic() - t0   # how long replicas take to come up on this machine now
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -258,7 +261,9 @@ def test_killed_replica_fails_only_its_requests_and_serve_replaces_it(ray_serve,
         else:
             assert r == expected[p]
 
-    deadline = time.monotonic() + 180   # Serve starts a replacement: poll until 2 replicas run again
+    # Serve starts a replacement: poll until 2 replicas run again, for as long as the first deployment
+    # took and more (a replica loads the model: 230 s with two CPU-bound processes beside the suite)
+    deadline = time.monotonic() + max(180.0, 3 * DEPLOY["seconds"])
     while True:
         dep = serve.status().applications["conveyor"].deployments["ConveyorEngine"]
         names = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if "ConveyorEngine" in n["name"]}
