@@ -13,6 +13,7 @@ from typing import Any
 
 from conveyor.config_fields import add_options, check_choice, option
 from conveyor.scheduler.config import SchedulerConfig
+from conveyor.spec.speculator import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "weight-only", "none")   # as conveyor.model.quant.QUANTIZATIONS (no torch here)
@@ -53,6 +54,12 @@ class EngineConfig:
     override_generation_config: str | None = option(
         None, "a JSON object of default sampling parameters merged over --generation-config's, e.g. "
               "'{\"temperature\": 0.5}' (offline: a dict)")
+    speculative_config: str | None = option(
+        None, "speculative decoding, as a JSON object (offline: a dict) with vLLM's names: "
+              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'; methods ngram (prompt lookup) and "
+              "suffix (also the outputs of recent requests with the same cache salt); options prompt_lookup_min, "
+              "prompt_lookup_max, adaptive (default true: the step-cost model picks how many drafts each step, "
+              "none when they would not pay); see docs/speculative.md (default: off)")
     torch_threads: int | None = option(None, "CPU threads for torch (default: all cores; 1 can be faster when "
                                              "other work shares them)")
     max_consecutive_step_failures: int = option(
@@ -91,6 +98,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config)   # a bad one fails here, before anything loads
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         if self.block_size < 1:

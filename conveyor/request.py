@@ -96,6 +96,7 @@ class Request:
     grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
     grammar_ended: bool = False           # its grammar is complete or refused a token (sampling/structured.py)
     prompt_logprobs: list | None = None   # params.prompt_logprobs: one entry per prompt token so far
+    spec_state: Any = None   # speculative decoding: the proposer's per-request state (conveyor/spec/proposers.py)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,12 +132,14 @@ class Request:
         return self.status.finished
 
 
-    def append_token(self, token_id: int, now: float) -> None:
+    def append_token(self, token_id: int, now: float, timed: bool = True) -> None:
+        """(timed=False: a later token of the same step, speculative decoding's: the step's one
+        inter-token latency is already recorded, as vLLM records one per step)"""
         self.all_token_ids.append(token_id)
         m = self.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-        else:
+        elif timed:
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now
 

@@ -36,17 +36,18 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "request": ("sampling",),
     "kv": ("request", "routing"),
     "scheduler": ("config_fields", "kv", "request", "sampling"),
-    "config": ("config_fields", "scheduler"),
+    "spec": ("request", "scheduler"),   # speculative decoding's proposers and per-step choice (torch-free)
+    "config": ("config_fields", "scheduler", "spec"),
     "model": ("paths", "tokenizer"),
     "runner": ("kv", "model", "sampling", "scheduler"),
     "parallel": ("kv", "model", "runner"),
     "core": ("errors", "request", "sampling", "scheduler"),   # the torch-free step, loop, stats, trace, wire types
     "frontend": ("core", "errors", "request", "sampling", "scheduler", "tokenizer"),   # caller's side, no torch
     "engine": ("config", "core", "errors", "frontend", "kv", "model", "parallel", "paths", "request", "routing",
-               "runner", "sampling", "scheduler", "tokenizer"),
+               "runner", "sampling", "scheduler", "spec", "tokenizer"),
     "transport": ("config", "core", "engine", "frontend", "kv", "model", "routing", "sampling"),
     "sim": ("config", "core", "kv", "paths", "request", "routing", "runner", "sampling",
-            "scheduler"),   # runner/state.py
+            "scheduler", "spec"),   # runner/state.py
     "plot": ("core",),
     "profile": ("core", "engine", "model", "sampling", "scheduler"),
     "server": ("config", "config_fields", "core", "engine", "errors", "frontend", "parallel", "request", "sampling",

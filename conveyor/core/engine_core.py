@@ -71,6 +71,10 @@ class SeqUpdate(msgspec.Struct, array_like=True):
     embedding: list[float] | None = None  # an embedding request's result (it finishes with it)
     error_code: str | None = None         # with error: what kind ("queue_timeout"; None: the step failed)
     token_time: float | None = None       # with token_id: when it was sampled (the core's clock)
+    # Speculative decoding: accepted tokens that came before token_id in this step, oldest first, and
+    # their logprob entries (with logprobs); the sequence is these, then token_id.
+    prev_token_ids: list[int] | None = None
+    prev_logprobs: list[LogprobEntry] | None = None
 
 
 def metrics_snapshot(r: Request) -> RequestMetrics:
@@ -80,10 +84,11 @@ def metrics_snapshot(r: Request) -> RequestMetrics:
                                preemption_times=list(m.preemption_times))
 
 
-def _metrics_delta(r: Request) -> RequestMetrics | None:
+def _metrics_delta(r: Request, new: int = 1) -> RequestMetrics | None:
     """A sequence's metrics go out with its first token and with its finish: in between they would
-    resend a growing list of inter-token latencies every step (each delta carries its token's time)."""
-    return metrics_snapshot(r) if r.num_output_tokens == 1 or r.is_finished else None
+    resend a growing list of inter-token latencies every step (each delta carries its token's time).
+    (`new`: the tokens this step added.)"""
+    return metrics_snapshot(r) if r.num_output_tokens == new or r.is_finished else None
 
 
 class EngineCore:
@@ -193,7 +198,11 @@ class EngineCore:
         model_out = ModelOutput()
         if plan.scheduled:
             try:
+                started = self.clock()
                 model_out = self.executor.execute(plan)
+                if self.scheduler.speculator is not None and not plan.num_prefill_tokens:
+                    # what a decode step of this size costs here (what its drafts are weighed against)
+                    self.scheduler.speculator.observe_step(plan.num_tokens, self.clock() - started)
                 expected = {s.request_id for s in plan.scheduled if s.sample}
                 if model_out.sampled.keys() != expected:
                     raise RuntimeError(f"the executor returned {len(model_out.sampled)} tokens for "
@@ -212,11 +221,21 @@ class EngineCore:
         return self._updates(model_out, touched) + self._embedded(embeddings)
 
     @staticmethod
-    def _updates(model_out: ModelOutput, touched: list[Request]) -> list[SeqUpdate]:
+    def _updates(model_out: ModelOutput, touched: list[tuple[Request, int]]) -> list[SeqUpdate]:
         logprobs = model_out.logprobs or {}
-        return [SeqUpdate(r.request_id, r.all_token_ids[-1], logprobs.get(r.request_id), r.finish_reason,
-                          r.stop_reason, None, _metrics_delta(r), first_prompt_logprobs(r),
-                          token_time=r.metrics.last_token_time) for r in touched]
+        updates = []
+        for r, n in touched:
+            entry = logprobs.get(r.request_id)
+            u = SeqUpdate(r.request_id, r.all_token_ids[-1], entry, r.finish_reason, r.stop_reason, None,
+                          _metrics_delta(r, n), first_prompt_logprobs(r), token_time=r.metrics.last_token_time)
+            drafted = (model_out.draft_logprobs or {}).get(r.request_id)
+            if n > 1:   # speculative tokens accepted before it (a finish may have cut the list short)
+                u.prev_token_ids = r.all_token_ids[-n:-1]
+            if drafted and entry is not None:   # the entries of its accepted drafts, then the sampled one's
+                entries = drafted + [entry]
+                u.logprobs, u.prev_logprobs = entries[n - 1], entries[:n - 1] or None
+            updates.append(u)
+        return updates
 
     def _embedded(self, embeddings: dict[str, Request]) -> list[SeqUpdate]:
         """The embedding requests this step finished, each with its vector."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -91,6 +92,14 @@ class EngineStats:
     kv_cache_bytes: int = 0               # the device KV cache
     step_time_total: float = 0.0          # seconds inside Engine.step(), all steps (the async loop's)
     num_unfinished_requests: int = 0      # requests a client holds streams for (the client's)
+    # ---- speculative decoding (conveyor/spec/; all 0 and () while it is off) ----
+    spec_rejected_tokens: int = 0         # draft tokens computed and refused (the scheduler's)
+    spec_num_drafts: int = 0              # verifications of a request's drafts (vLLM's num_drafts)
+    spec_num_draft_tokens: int = 0        # draft tokens verified
+    spec_num_accepted_tokens: int = 0     # of those, accepted
+    # accepted drafts by position (index j: position j, 0-based; one entry per num_speculative_tokens,
+    # so non-empty exactly when speculation is on): non-increasing, summing to spec_num_accepted_tokens
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, scheduler: Scheduler, core: CoreStats, dead: bool) -> EngineStats:
@@ -113,7 +122,8 @@ class EngineStats:
                    num_free_kv_blocks=kv.num_free_blocks, prefix_cache_queries=pool.prefix_queries,
                    prefix_cache_hits=pool.prefix_hits, prefix_cache_evictions=pool.evictions,
                    prefix_cache_mismatches=pool.mismatches, kv_group_windows=kv.windows,
-                   prefix_cache_group_hits=tuple(kv.group_hits), engine_dead=dead)
+                   prefix_cache_group_hits=tuple(kv.group_hits), engine_dead=dead,
+                   **_spec_counters(scheduler.speculator))
 
     @property
     def step_tokens(self) -> int:
@@ -145,11 +155,25 @@ class EngineStats:
                    last_step_time=max(p.last_step_time for p in parts),
                    consecutive_step_failures=max(p.consecutive_step_failures for p in parts),
                    engine_dead=all(p.engine_dead for p in parts), kv_group_windows=parts[0].kv_group_windows,
-                   prefix_cache_group_hits=tuple(map(sum, zip(*(p.prefix_cache_group_hits for p in parts)))))
+                   prefix_cache_group_hits=tuple(map(sum, zip(*(p.prefix_cache_group_hits for p in parts)))),
+                   # a replica that has not reported yet has () here: the others' positions still count
+                   spec_accepted_per_pos=tuple(map(sum, zip_longest(*(p.spec_accepted_per_pos for p in parts),
+                                                                    fillvalue=0))))
 
 
 _NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead", "block_size",
-                         "kv_group_windows", "prefix_cache_group_hits"})
+                         "kv_group_windows", "prefix_cache_group_hits", "spec_accepted_per_pos"})
+_NO_SPEC: dict[str, Any] = {}
+
+
+def _spec_counters(speculator) -> dict[str, Any]:
+    """The speculator's counters (conveyor/spec/speculator.py SpecStats) as EngineStats fields; none
+    (the defaults) while speculation is off."""
+    if speculator is None:
+        return _NO_SPEC
+    st = speculator.stats
+    return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+            "spec_num_accepted_tokens": st.num_accepted_tokens, "spec_accepted_per_pos": tuple(st.accepted_per_pos)}
 
 
 def _request_count(seqs) -> int:

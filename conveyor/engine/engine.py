@@ -43,6 +43,7 @@ from conveyor.sampling.defaults import describe as describe_defaults, generation
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, preemption_costs
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.spec.speculator import SpeculativeConfig, Speculator
 
 __all__ = ["Engine", "EngineBackend", "EngineConfig", "EngineDeadError", "InvalidRequestError", "ProcessedRequest"]
 
@@ -101,6 +102,9 @@ class EngineBackend:
         costs = preemption_costs(config.scheduler, self.cost_model)   # user-set costs win over the profile
         self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs), runner,
                                time.monotonic, config.max_consecutive_step_failures)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None:
+            self.core.scheduler.speculator = Speculator(spec, self.cost_model)
         if config.step_trace:
             self.core.tracer = StepTracer(meta={"source": "engine", "model": self.model_name,
                                                 "config": asdict(config)})

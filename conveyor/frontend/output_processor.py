@@ -49,15 +49,16 @@ class _Seq:
     def cumulative_logprob(self) -> float:
         return self.cum_logprob
 
-    def add_token(self, u: SeqUpdate, entry: dict | None) -> None:
-        """A new token, its logprobs entry (None: not asked), its time (this sequence's own metrics)."""
-        self.token_ids.append(u.token_id)
+    def add_token(self, u: SeqUpdate, token_id: int, entry: dict | None, timed: bool = True) -> None:
+        """A new token, its logprobs entry (None: not asked), its time (this sequence's own metrics;
+        timed=False: a later token of the same update, whose step's latency is already recorded)."""
+        self.token_ids.append(token_id)
         if entry is not None:
             self.logprobs.append(entry)
-            self.cum_logprob += entry.get(u.token_id, 0.0)
+            self.cum_logprob += entry.get(token_id, 0.0)
         m = self.metrics
         if u.metrics is None and u.token_time is not None:   # metrics come whole with the first token only
-            if m.last_token_time is not None:
+            if m.last_token_time is not None and timed:
                 m.inter_token_latencies.append(u.token_time - m.last_token_time)
             m.last_token_time = u.token_time
 
@@ -169,16 +170,26 @@ class OutputProcessor:
         if u.error is not None:
             self._fail(group, u.error, commands, u.error_code)
             return
+        if u.prev_token_ids:   # speculative tokens accepted before u.token_id: each as if it came alone
+            lps = u.prev_logprobs or [None] * len(u.prev_token_ids)
+            for i, (token, lp) in enumerate(zip(u.prev_token_ids, lps)):
+                if seq.finished:
+                    return
+                self._token(group, seq, u, token, lp, None, commands, timed=i == 0)
         if seq.finished:   # e.g. a stop string already ended it: a late token is not shown
             return
+        self._token(group, seq, u, u.token_id, u.logprobs, u.finish_reason, commands, timed=not u.prev_token_ids)
+
+    def _token(self, group: _Group, seq: _Seq, u: SeqUpdate, token_id: int | None, logprobs: LogprobEntry | None,
+               finish_reason: str | None, commands: list[Finish], timed: bool = True) -> None:
         new = ""
-        if u.token_id is not None:
-            entry = logprob_objects(u.logprobs, self._token_text) if group.params.needs_logprobs else None
-            seq.add_token(u, entry)
+        if token_id is not None:
+            entry = logprob_objects(logprobs, self._token_text) if group.params.needs_logprobs else None
+            seq.add_token(u, token_id, entry, timed)
             if group.params.needs_logprobs and entry is None:
                 seq.logprobs.append(None)
-            new = seq.detok.add([u.token_id]) if group.params.detokenize else ""
-        if u.finish_reason is not None:
+            new = seq.detok.add([token_id]) if group.params.detokenize else ""
+        if finish_reason is not None:
             new += seq.detok.flush()
         hit = seq.stops.feed(new) if seq.stops is not None and new else None
         if hit is not None:
@@ -193,8 +204,8 @@ class OutputProcessor:
             seq.end("stop", stop, u.token_time)
             return
         seq.text += new
-        if u.finish_reason is not None:
-            seq.end(u.finish_reason, u.stop_reason, time.monotonic())
+        if finish_reason is not None:
+            seq.end(finish_reason, u.stop_reason, time.monotonic())
 
     def _fail(self, group: _Group, message: str, commands: list[Finish], code: str | None = None) -> None:
         """The whole request fails with `message`; its live siblings are aborted."""

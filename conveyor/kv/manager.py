@@ -216,6 +216,23 @@ class KVCacheManager:
         table.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> bool:
+        """Give back the blocks past the first num_tokens positions (speculative decoding: slots
+        allocated for drafts that were refused; such blocks were never full of computed tokens, so
+        never published). Returns whether the table shrank."""
+        table = self.tables.get(request.request_id)
+        if not table:
+            return False
+        G = self.num_groups
+        excess = len(table) // G - cdiv(num_tokens, self.block_size)
+        if excess <= 0:
+            return False
+        tail = table[len(table) - excess * G:]
+        del table[len(table) - excess * G:]
+        assert self.null_block not in tail
+        self.pool.release(tail[::-1])
+        return True
+
     def slide(self, request: Request) -> None:
         """Give back the blocks of local groups that left the window: no query from the request's
         next token on can see them (call once its computed tokens advanced)."""

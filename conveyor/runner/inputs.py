@@ -26,6 +26,7 @@ class SeqWork:
     num_cached: int          # tokens already in the cache before them (= position of token_ids[0])
     block_table: list[int]   # physical blocks, covering at least num_cached + len(token_ids) (per group, interleaved)
     sample: bool = True      # needs logits for its last token this step
+    num_logits: int = 1      # with sample: logits rows for its last this many tokens (speculative verification)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class ModelInputs:
     order: list[int]         # order[i] = index in the caller's list of the i-th laid-out sequence
     starts: list[int]        # starts[i] = flattened index of the caller's i-th sequence's first token
     sample_order: list[int]  # caller indices of the sequences whose logits rows are returned, in row order
+    # (a sequence with num_logits > 1 has that many consecutive rows, for its last tokens in order)
 
 
 def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | str = "cpu",
@@ -44,7 +46,15 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
     """Lay out prefill chunks (len > 1 or with no cache) first, then single-token decodes
     sorted by context length, longest first. With a layout of several layer groups (or a
     windowed one) the tables are interleaved per group (conveyor/kv/layout.py) and the metadata
-    carries each layer's own (``meta.layers``); blocks a local group gave back read `null_block`."""
+    carries each layer's own (``meta.layers``); blocks a local group gave back read `null_block`.
+
+    A speculative verification (every token of the chunk wants logits, after a cached context) is
+    laid out as one decode per token, each attending to the cache up to its own position: the KV
+    of a step is written before any of its attention reads it, so token j sees the drafts before
+    it, and the step can take the decode kernels (the fused loop: one weight read for all)."""
+    caller = list(range(len(work)))
+    if any(w.num_logits > 1 for w in work):
+        work, caller = _split_verifications(work)
     is_decode = [len(w.token_ids) == 1 and w.num_cached > 0 for w in work]
     decodes = sorted((i for i, d in enumerate(is_decode) if d), key=lambda i: -work[i].num_cached)
     order = [i for i, d in enumerate(is_decode) if not d] + decodes
@@ -103,23 +113,47 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
         meta = per_group[layout.layer_group[0]]
         meta.layers = [per_group[g] for g in layout.layer_group]
 
-    sample_rows = [r for r, w in enumerate(seqs) if w.sample]
-    logits_idx = starts[1:][sample_rows] - 1
+    # Logits rows: per sampling sequence (in layout order of its first row), its rows in position order.
+    rows_of: dict[int, list[int]] = {}
+    for r, w in enumerate(seqs):
+        if w.sample:
+            last = int(starts[r + 1]) - 1
+            rows_of.setdefault(caller[order[r]], []).extend(range(last - w.num_logits + 1, last + 1))
+    for rows in rows_of.values():
+        if len(rows) > 1:   # (a verification's pieces are laid out by context, longest first)
+            rows.sort(key=lambda i: positions[i])
+    logits_idx = [i for rows in rows_of.values() for i in rows]
     return ModelInputs(
         input_ids=torch.from_numpy(tokens).to(device),
         positions=torch.from_numpy(positions).to(device),
         meta=meta,
         logits_indices=torch.from_numpy(np.asarray(logits_idx, dtype=np.int64)).to(device),
-        order=order,
-        starts=_caller_starts(order, starts),
-        sample_order=[order[r] for r in sample_rows],
+        order=[caller[i] for i in order],
+        starts=_caller_starts(order, starts, caller),
+        sample_order=list(rows_of),
     )
 
 
-def _caller_starts(order: list[int], starts: np.ndarray) -> list[int]:
-    out = [0] * len(order)
+def _split_verifications(work: list[SeqWork]) -> tuple[list[SeqWork], list[int]]:
+    """Each verification chunk as one single-token decode per position (see build_inputs), with the
+    caller's index of every piece."""
+    out, caller = [], []
+    for i, w in enumerate(work):
+        if w.num_logits > 1 and w.num_logits == len(w.token_ids) and w.num_cached > 0 and w.sample:
+            out += [SeqWork([t], w.num_cached + j, w.block_table) for j, t in enumerate(w.token_ids)]
+            caller += [i] * len(w.token_ids)
+        else:
+            out.append(w)
+            caller.append(i)
+    return out, caller
+
+
+def _caller_starts(order: list[int], starts: np.ndarray, caller: list[int]) -> list[int]:
+    """Each caller's sequence's first flattened index."""
+    out = [-1] * (max(caller) + 1 if caller else 0)
     for r, i in enumerate(order):
-        out[i] = int(starts[r])
+        c = caller[i]
+        out[c] = int(starts[r]) if out[c] < 0 else min(out[c], int(starts[r]))
     return out
 
 

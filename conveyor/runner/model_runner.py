@@ -7,6 +7,8 @@ layout (prefills, then decodes by context length) and are never permuted back.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from conveyor.kv.layout import KVLayout
@@ -113,7 +115,10 @@ class ModelRunner:
             prompt = prompt_logprobs(plan, logits[inputs.logits_indices.numel():])
             logits = logits[:inputs.logits_indices.numel()]
         # Logit rows follow the model's layout; each is named by its request id from here on.
-        ids = [plan.scheduled[i].request_id for i in inputs.sample_order]
+        seqs = [plan.scheduled[i] for i in inputs.sample_order]
+        if any(s.num_drafts for s in seqs):
+            return self._verify(plan, logits, seqs, prompt, pooled)
+        ids = [s.request_id for s in seqs]
         rows = [self.state.row(rid) for rid in ids]
         edit_logits(logits, ids, rows, plan.grammar_ids, plan.grammar_bitmask)
         if self.record_logits:
@@ -123,13 +128,56 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         return ModelOutput(dict(zip(ids, result.token_ids)), sampled_logprobs(ids, result), prompt, pooled)
 
+    def _verify(self, plan: SchedulerOutput, logits: torch.Tensor, seqs: list, prompt, pooled) -> ModelOutput:
+        """A step with speculative tokens: every sampling sequence has 1 + num_drafts logits rows (its
+        known token's, then each draft's); each row is verified at its own position
+        (Sampler.verify), and a sequence keeps its drafts up to the first refused one, then the
+        token drawn there (or after its last draft, a token of its own)."""
+        ids, rows, drafts = [], [], []
+        for s in seqs:
+            row = self.state.row(s.request_id)
+            proposed = s.token_ids[len(s.token_ids) - s.num_drafts:]
+            history = row.output_token_ids
+            for j in range(1 + s.num_drafts):
+                ids.append(s.request_id)
+                # each position's own state: its output count, and the history the drafts before it extend
+                rows.append(row if j == 0 else dataclasses.replace(
+                    row, num_output_tokens=row.num_output_tokens + j,
+                    output_token_ids=None if history is None else history + proposed[:j]))
+                drafts.append(proposed[j] if j < s.num_drafts else -1)
+        # (A speculating request has no grammar: the bitmask rows are other requests'.)
+        edit_logits(logits, ids, rows, plan.grammar_ids, plan.grammar_bitmask)
+        result = self.sampler.verify(logits, rows, drafts)
+        sampled, accepted, logprobs, draft_logprobs = {}, {}, {}, {}
+        r = 0
+        for s in seqs:
+            rid, k = s.request_id, s.num_drafts
+            a = 0
+            while a < k and result.accepted[r + a]:
+                a += 1
+            sampled[rid] = result.emitted[r + a]
+            if self.record_logits:
+                self.last_logits[rid] = logits[r + a]
+            if result.logprobs[r] is not None:
+                entries = [LogprobEntry(result.logprobs[i], result.emitted[i], result.ranks[i])
+                           for i in range(r, r + a + 1)]
+                logprobs[rid] = entries[-1]
+                if a:
+                    draft_logprobs[rid] = entries[:-1]
+            if k:
+                accepted[rid] = a
+                self.state.accept(rid, a)
+            r += 1 + k
+        return ModelOutput(sampled, logprobs or None, prompt, pooled, accepted, draft_logprobs or None)
+
     @torch.inference_mode()
     def forward(self, plan: SchedulerOutput):
         """The model on the plan's tokens: (logits in the model's row order, the inputs built).
         Takes the plan's deltas into the runner's state first (every tensor-parallel rank calls this)."""
         self.state.apply(plan)
         table = self.state.block_table
-        work = [SeqWork(s.token_ids, s.num_computed_tokens, table(s.request_id), s.sample) for s in plan.scheduled]
+        work = [SeqWork(s.token_ids, s.num_computed_tokens, table(s.request_id), s.sample, 1 + s.num_drafts)
+                for s in plan.scheduled]
         inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups,
                               self.layout, self.null_block)
         indices = inputs.logits_indices

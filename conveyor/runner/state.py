@@ -27,6 +27,9 @@ class RequestState:
     # next chunk, where the history and the output count pick it up.
     pending_sample: bool = False
     pooled: Any = None          # an embedding request: the running sum (mean) of its pooled rows so far
+    # Speculative decoding: the drafts its latest step verified, until their outcome is taken in
+    # (``accept``, or the next plan's start position: see ``_take``).
+    drafts: list[int] | None = None
 
 
 class StateError(RuntimeError):
@@ -63,6 +66,12 @@ class RunnerState:
             state = self.requests.get(seq.request_id)
             if state is None:
                 raise StateError(f"a delta for request {seq.request_id!r}, which the runner does not hold")
+            if state.drafts is not None:   # its drafts' outcome, from where this chunk starts
+                refused = state.num_computed_tokens - seq.num_computed_tokens
+                if not 0 <= refused <= len(state.drafts):
+                    raise StateError(f"request {seq.request_id!r}: chunk at {seq.num_computed_tokens} after "
+                                     f"{len(state.drafts)} drafts ending at {state.num_computed_tokens}")
+                _accepted(state, len(state.drafts) - refused)
             if seq.num_computed_tokens != state.num_computed_tokens:
                 raise StateError(f"request {seq.request_id!r}: chunk at {seq.num_computed_tokens}, the runner "
                                  f"expected {state.num_computed_tokens}")
@@ -74,6 +83,17 @@ class RunnerState:
                 _took_sample(state.sampling, seq.token_ids[0])
         state.pending_sample = seq.sample
         state.num_computed_tokens = seq.num_computed_tokens + seq.num_tokens
+        state.drafts = seq.token_ids[seq.num_tokens - seq.num_drafts:] if seq.num_drafts else None
+
+    def accept(self, request_id: str, accepted: int) -> None:
+        """Speculative decoding: of the latest step's drafts, the first `accepted` were verified
+        (they join the output, the sampled token follows them); the KV written for the rest is not
+        part of the sequence, and the next chunk starts after the accepted ones. An executor that
+        verifies calls this; one that does not (another tensor-parallel rank) learns the outcome
+        from where the request's next chunk starts."""
+        state = self.requests[request_id]
+        if state.drafts is not None:
+            _accepted(state, accepted)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.requests[request_id].block_ids
@@ -86,6 +106,13 @@ def _row(new: NewRequestData) -> SamplingRow:
     """The runner's own copy: it appends to the output history, which must not be the scheduler's list."""
     outputs = None if new.output_token_ids is None else list(new.output_token_ids)
     return SamplingRow(new.params, new.seed, new.num_output_tokens, new.prompt_token_ids, outputs)
+
+
+def _accepted(state: RequestState, accepted: int) -> None:
+    drafts, state.drafts = state.drafts, None
+    state.num_computed_tokens -= len(drafts) - accepted
+    for token in drafts[:accepted]:
+        _took_sample(state.sampling, token)
 
 
 def _took_sample(row: SamplingRow, token: int) -> None:

@@ -65,6 +65,36 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), logprobs, ranks)
 
 
+    def verify(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int]) -> VerifyOutput:
+        """Speculative decoding's verification, one logits row per position: row i tests the proposed
+        token drafts[i] (-1: none, a request's last position or one that proposed nothing). rows[i] is
+        the row's sampling state at its own position (its num_output_tokens counts the tokens before
+        it, its output history includes the drafts before it).
+
+        Each row draws its token exactly as the sampler would without speculation at that position
+        (the argmax, or the seeded inverse-CDF draw from the row's final distribution), and accepts
+        its draft iff the draft is that token. For a proposer that proposes one token with
+        certainty this accepts with probability p(draft), as the rejection sampling of Leviathan et
+        al. and Chen et al. (2023) does, and it emits the very token the request would have got
+        without speculation: greedy and seeded outputs do not depend on what was proposed."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows) == len(drafts), (tuple(logits.shape), len(rows))
+        result = self(logits, rows)
+        accepted = [d >= 0 and d == t for d, t in zip(drafts, result.token_ids)]
+        return VerifyOutput(accepted, result.token_ids, result.logprobs, result.ranks)
+
+
+@dataclass(slots=True)
+class VerifyOutput:
+    """Per row of a verification: whether its draft was accepted, the token the row emits (the draft
+    when accepted), and that token's logprobs and rank (None where not asked). A request's emitted
+    tokens are its rows' up to its first refused draft."""
+
+    accepted: list[bool]
+    emitted: list[int]
+    logprobs: list[dict[int, float] | None]
+    ranks: list[int | None]
+
+
 def _check_finite(row_max: torch.Tensor) -> None:
     """A row whose largest logit is NaN (max propagates NaN) or infinite cannot be sampled.
     (Checked on the host: one small copy instead of several tiny tensor ops per step.)"""
@@ -161,6 +191,14 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Draw one token per row; every row here has a temperature above SAMPLING_EPS."""
+    weights = _weights(logits, rows)
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.num_output_tokens for r in rows]))
+    return _inverse_cdf(weights, u.to(weights.device), logits)
+
+
+def _weights(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p, unnormalized (a fresh
+    tensor); every row here has a temperature above SAMPLING_EPS."""
     params = [r.params for r in rows]
     scaled = logits / _param([p.temperature for p in params], logits)
     # Unnormalized probabilities with the row maximum at exactly 1: the filters below only
@@ -174,8 +212,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(p.min_p > 0.0 for p in params):
         # prob < min_p * max_prob, with max_prob = 1 in these units (the top token survives all filters).
         weights.masked_fill_(weights < _param([p.min_p for p in params], weights), 0.0)
-    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.num_output_tokens for r in rows]))
-    return _inverse_cdf(weights, u.to(weights.device), logits)
+    return weights
 
 
 def _subset(t: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -81,6 +81,13 @@ class StepShape:
             if n == 1 and c > 0:     # the runner's own test for a decode
                 s.decode_tokens += 1
                 s.decode_context += c + 1
+            elif seq.num_drafts and seq.sample and c > 0:
+                # a speculative verification runs as n single-token decodes at consecutive positions,
+                # each sampled (runner/inputs.py), not as a prefill chunk
+                s.decode_tokens += n
+                s.decode_context += n * c + n * (n + 1) // 2
+                s.num_seqs += n - 1
+                s.num_sampled += n - 1
             else:
                 s.prefill_tokens += n
                 s.prefill_context += c

@@ -46,6 +46,10 @@ class ScheduledSeq:
     new: NewRequestData | None = None   # set when the runner does not hold this request
     replace_table: bool = False         # swapped back in: new_block_ids is its whole (new) table
     sample: bool = False        # the chunk reaches the last known token: sample one
+    # Speculative decoding: the last num_drafts of token_ids are proposed, not known: the runner
+    # verifies them (a logits row for each position from the known token on) and reports how many
+    # it accepted (ModelOutput.accepted); the KV written for refused ones is garbage nobody reads.
+    num_drafts: int = 0
     # Prompt logprobs: the prompt tokens that follow this chunk's first len(prompt_targets)
     # tokens (their logprobs come from those rows' logits), and how many top alternatives.
     prompt_targets: list[int] | None = None
@@ -107,3 +111,7 @@ class ModelOutput:
     logprobs: dict[str, LogprobEntry] | None = None        # request id -> the sampled token's entry
     prompt_logprobs: dict[str, list[LogprobEntry]] | None = None   # request id -> this chunk's entries
     embeddings: dict[str, list[float]] | None = None   # request id -> its normalised embedding (prompt done)
+    # Speculative decoding, for each seq with num_drafts: how many of its drafts were accepted (in
+    # order; missing: none) and their logprob entries (params.logprobs). The sampled token follows them.
+    accepted: dict[str, int] | None = None
+    draft_logprobs: dict[str, list[LogprobEntry]] | None = None

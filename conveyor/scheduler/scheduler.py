@@ -59,6 +59,7 @@ class SchedulerStats:
     num_aborted: int = 0
     num_errors: int = 0
     num_queue_timeouts: int = 0           # failed by their queue deadline before their first scheduling
+    spec_rejected_tokens: int = 0         # speculative decoding: draft tokens computed and refused
 
 
 class Scheduler:
@@ -86,6 +87,8 @@ class Scheduler:
         # the requests it must drop, pending until a plan that reaches update() carried them.
         self._sent_blocks: dict[str, int] = {}
         self._forget: list[str] = []
+        # Speculative decoding (conveyor/spec/speculator.py): None = off.
+        self.speculator = None
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,6 +126,8 @@ class Scheduler:
         self.kv.forget(request)
         self._unsend(request)
         request.finish(status, self.clock(), reason)
+        if self.speculator is not None:
+            self.speculator.finished(request)
         if self.requests.pop(request.request_id, None) is not None:
             self.num_followers -= request.prefill_leader is not None
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
@@ -179,7 +184,9 @@ class Scheduler:
             else:
                 decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
                 budget = self._schedule_running(out, budget, decodes, scheduled)
-                self._schedule_by_rank(out, budget, scheduled)
+                budget = self._schedule_by_rank(out, budget, scheduled)
+                if self.speculator is not None and budget > 0:
+                    self._add_drafts(out, budget)
             if not self.running and self.swapped and not out.scheduled:
                 self._unpin_swapped()
         finally:
@@ -210,7 +217,7 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_by_rank(self, out: SchedulerOutput, budget: int, scheduled: dict[str, ScheduledSeq]) -> None:
+    def _schedule_by_rank(self, out: SchedulerOutput, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
         """After the decodes, the rest of the budget goes by rank (priority, then arrival) to running
         prefill chunks and to requests coming in from the queue (swapped ones back, waiting ones
         admitted): a better-ranked arrival gets its tokens before worse-ranked chunks. The queue is
@@ -242,6 +249,42 @@ class Scheduler:
             budget = self._schedule_chunk(nxt, out, budget, scheduled)
         for req in held_back:
             self.waiting.push(req)
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding, once everything else of the step is planned: what it left -- token
+        budget, and free KV blocks beyond what the running requests are predicted to need and the
+        reservation buffer -- may go to drafts of its decodes, as extra tokens of their chunks; the
+        speculator picks which and how many by cost (conveyor/spec/speculator.py). So a draft never
+        delays a prompt, never preempts anyone, and takes no block that admission counts on."""
+        decodes = []
+        for seq in out.scheduled:
+            req = self.requests[seq.request_id]
+            if seq.sample and seq.num_tokens == 1 and self._is_decode(req, 1):
+                decodes.append((req, seq))
+        if not decodes:
+            return
+        drafts = self.speculator.drafts([r for r, _ in decodes], out.num_prefill_tokens, budget)
+        spare = self.kv.num_free_blocks - self._reserved_blocks() - self._buffer()
+        for req, seq in decodes:
+            proposed = drafts.get(req.request_id)
+            if not proposed or budget <= 0:
+                continue
+            k = min(len(proposed), budget, self.kv.max_chunk(req.num_computed_tokens) - 1)
+            while k > 0 and self.kv.blocks_needed(req, 1 + k) > spare:
+                k -= 1
+            if k <= 0:
+                continue
+            spare -= self.kv.blocks_needed(req, 1 + k)
+            ok = self.kv.allocate(req, 1 + k)
+            assert ok, "the drafts' blocks were counted free"
+            budget -= k
+            seq.token_ids.extend(proposed[:k])
+            seq.num_drafts = k
+            rid, table = req.request_id, self.kv.block_table(req.request_id)
+            seq.new_block_ids.extend(table[self._sent_blocks[rid]:])   # the runner's view: blocks since _add
+            self._sent_blocks[rid] = len(table)
+            out.num_decode_tokens += k
 
     def _queue_head(self, held_back: list[Request]) -> Request | None:
         """The best-ranked queued request (waiting or swapped) that can come in now; followers
@@ -512,6 +555,7 @@ class Scheduler:
 
     @staticmethod
     def _is_decode(req: Request, n: int) -> bool:
+        """(n: the chunk's known tokens, its drafts not counted)"""
         # A decode computes the KV of the latest sampled token; everything else (prompt chunks,
         # recomputation after preemption) counts as prefill.
         return (n == 1 and req.num_output_tokens > 0 and req.num_computed_tokens == req.num_tokens - 1
@@ -567,7 +611,7 @@ class Scheduler:
         out.scheduled.remove(seq)
         if seq.new is not None:   # the runner never gets this full data: the request is still new to it
             self._sent_blocks.pop(seq.request_id, None)
-        if self._is_decode(self.requests[seq.request_id], seq.num_tokens):
+        if self._is_decode(self.requests[seq.request_id], seq.num_tokens - seq.num_drafts):
             out.num_decode_tokens -= seq.num_tokens
         else:
             out.num_prefill_tokens -= seq.num_tokens
@@ -581,10 +625,11 @@ class Scheduler:
         s.prompt_tokens_total += out.num_prefill_tokens
 
     # ---- after the forward pass ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, model_out: ModelOutput | None) -> list[Request]:
+    def update(self, out: SchedulerOutput, model_out: ModelOutput | None) -> list[tuple[Request, int]]:
         """Advance computed tokens, append sampled ones, finish what is done (scheduler/stopping.py).
 
-        Returns the requests that got a new token this step (finished ones included).
+        Returns the requests that got new tokens this step (finished ones included), each with how
+        many (more than one where speculative tokens were accepted).
         """
         now = self.clock()
         touched = []
@@ -592,6 +637,9 @@ class Scheduler:
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:   # finished (aborted, stopped) while the step ran
+                continue
+            if s.num_drafts:
+                self._update_speculated(req, s, model_out, now, touched)
                 continue
             req.num_computed_tokens += s.num_tokens
             self.kv.publish_full_blocks(req)
@@ -603,11 +651,40 @@ class Scheduler:
                     self.stats.prompt_tokens_cached += req.metrics.num_cached_tokens
                 req.append_token(token, now)
                 self.stats.generation_tokens_total += 1
-                touched.append(req)
+                touched.append((req, 1))
             verdict = finish_verdict(req, token)
             if verdict is not None:
                 self.finish_request(req, *verdict)
         return touched
+
+    def _update_speculated(self, req: Request, s: ScheduledSeq, model_out: ModelOutput, now: float,
+                           touched: list[tuple[Request, int]]) -> None:
+        """A decode that verified drafts: its accepted drafts, then the sampled token, join the output
+        one by one as if each had been a step of its own (the first that finishes it is the last);
+        only the accepted tokens' KV counts as computed, and blocks allocated past it go back."""
+        k = s.num_drafts
+        accepted = (model_out.accepted or {}).get(s.request_id, 0)
+        assert 0 <= accepted <= k, (s.request_id, accepted, k)
+        if self.speculator is not None:
+            self.speculator.observe(s.request_id, k, accepted)
+        drafts = s.token_ids[s.num_tokens - k:]
+        emitted, verdict = 0, None
+        for token in drafts[:accepted] + [model_out.sampled[s.request_id]]:
+            req.append_token(token, now, timed=not emitted)
+            emitted += 1
+            verdict = finish_verdict(req, token)
+            if verdict is not None:
+                break
+        self.stats.generation_tokens_total += emitted
+        self.stats.spec_rejected_tokens += k - accepted
+        req.num_computed_tokens = min(s.num_computed_tokens + s.num_tokens - k + accepted, req.num_tokens - 1)
+        if self.kv.trim(req, req.num_computed_tokens + 1) and req.request_id in self._sent_blocks:
+            self._sent_blocks[req.request_id] = _RESEND_TABLE   # the runner's copy has the blocks given back
+        self.kv.publish_full_blocks(req)
+        self.kv.slide(req)
+        touched.append((req, emitted))
+        if verdict is not None:
+            self.finish_request(req, *verdict)
 
 
 _RESEND_TABLE = -1   # _sent_blocks: the runner holds the request but its table must be sent whole

@@ -160,6 +160,7 @@ def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> It
                   "vllm:prompt_tokens.", lambda s: s.prompt_tokens_cached)
     yield counter("generation_tokens", "Number of generation tokens processed.",
                   lambda s: s.generation_tokens_total)
+    yield from _spec_decode_families(rows, labels)
     info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config (always 1).",
                              labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "engine"])
     for i, (s, _) in enumerate(states):
@@ -170,6 +171,34 @@ def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> It
                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
     lora.add_metric(["0", "", ""], time.time())
     yield lora
+
+
+def _spec_decode_families(rows: list[tuple[EngineStats, bool, list[str]]], labels: list[str]) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (its SpecDecodingProm), served only while speculation is on,
+    as vLLM registers them only with a speculative config. On: some replica's stats have a position
+    per speculative token (``spec_accepted_per_pos``, from its first report on, at 0). Per-position
+    series: ``position`` 0..num_speculative_tokens-1, each from the start (at 0), as vLLM's. PromQL:
+    acceptance rate ``rate(vllm:spec_decode_num_accepted_tokens_total[5m]) /
+    rate(vllm:spec_decode_num_draft_tokens_total[5m])``; mean acceptance length (the bonus token
+    included) ``1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total)``."""
+    positions = max((len(s.spec_accepted_per_pos) for s, _, _ in rows), default=0)
+    if not positions:
+        return
+    for name, doc, key in (
+            ("num_drafts", "Number of spec decoding drafts.", lambda s: s.spec_num_drafts),
+            ("num_draft_tokens", "Number of draft tokens.", lambda s: s.spec_num_draft_tokens),
+            ("num_accepted_tokens", "Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens)):
+        c = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=labels)
+        for s, _, m in rows:
+            c.add_metric(m, float(key(s)))
+        yield c
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=labels + ["position"])
+    for s, _, m in rows:
+        counts = s.spec_accepted_per_pos
+        for pos in range(positions):
+            per_pos.add_metric(m + [str(pos)], float(counts[pos] if pos < len(counts) else 0))
+    yield per_pos
 
 
 class ServerMetrics:

@@ -5,6 +5,8 @@ preemptions and KV usage for a workload and a set of engine knobs; sweeps; capac
     conveyor simulate --sweep max_num_seqs=16,32,64 --slo ttft_p99=2s,tpot_p50=100ms
     conveyor simulate --find-max-rate --slo ttft_p99=2s,tpot_p50=100ms
     conveyor simulate --gpu h200 --model llama-3.1-8b --rate 50 --find-replicas --slo ttft_p99=2s,tpot_p50=50ms
+    conveyor simulate --max-num-seqs 4 --spec-acceptance 0.7 --spec-match-rate 0.8 \
+        --sweep 'speculative_config=none,{"method":"ngram","num_speculative_tokens":5}'
 
 No torch here: the cost model is a profile measured by `conveyor profile` (default: the one saved
 for the demo model, else built-in numbers) or a roofline model of a named GPU.
@@ -28,7 +30,9 @@ from conveyor.routing import ALIASES, POLICIES
 from conveyor.scheduler.costs import CostModel, StepCostModel
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
 from conveyor.sim.simulator import SENSITIVITY_METRICS, SENSITIVITY_STEP, SimResult, elasticity, simulate
+from conveyor.sim.speculation import DEFAULT_ACCEPTANCE, DEFAULT_MATCH_RATE, SimSpeculation
 from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities
+from conveyor.spec.speculator import SpeculativeConfig
 
 DEMO = "SmolLM2-135M-Instruct"
 _WARNED: set[Path] = set()
@@ -60,6 +64,10 @@ class Setup:
         self.config: EngineConfig = config_from_args(args)
         self.tp = args.tensor_parallel
         self.cost, self.describe = self._cost_model()
+        self.speculative = SpeculativeConfig.parse(self.config.speculative_config)
+        self.speculation = SimSpeculation(
+            args.spec_acceptance if args.spec_acceptance is not None else DEFAULT_ACCEPTANCE,
+            args.spec_match_rate if args.spec_match_rate is not None else DEFAULT_MATCH_RATE, seed=args.seed)
 
     def _cost_model(self) -> tuple[CostModel, str]:
         a = self.args
@@ -111,7 +119,17 @@ class Setup:
         c = self.config
         return simulate(workload, c.scheduler, blocks, c.block_size, host, cost or self.cost,
                         replicas=replicas or self.args.replicas, router=self.args.router,
-                        prefix_caching=c.enable_prefix_caching, trace=trace, seed=self.args.seed)
+                        prefix_caching=c.enable_prefix_caching, trace=trace, seed=self.args.seed,
+                        speculative=self.speculative, speculation=self.speculation)
+
+    def describe_speculation(self) -> str:
+        if self.speculative is None:
+            return "off"
+        acc = ", ".join(f"{r:g}" + (f" ({100 * w:.0f}% of requests)" if len(self.speculation.acceptance) > 1 else "")
+                        for r, w in self.speculation.acceptance)
+        return (f"{self.speculative.method}, up to {self.speculative.num_speculative_tokens} drafts"
+                f"{'' if self.speculative.adaptive else ' at every match'}; simulated acceptance {acc} per draft "
+                f"token, a guess at {100 * self.speculation.match_rate:.0f}% of decode steps")
 
 
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
@@ -210,8 +228,41 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines)
 
 
+def spec_line(label: str, s: dict) -> str | None:
+    """A run's speculative-decoding counters in a line (None: speculation off)."""
+    if "spec_drafts" not in s:
+        return None
+    if not s["spec_drafts"]:
+        return f"{label}: speculation proposed nothing"
+    return (f"{label}: speculation {s['spec_drafts']} verifications of {s['spec_draft_tokens']} draft tokens, "
+            f"{s['spec_accepted_tokens']} accepted (acceptance rate {100 * s['spec_acceptance_rate']:.0f}%, "
+            f"first position {100 * s['spec_first_position_rate']:.0f}%), {s['spec_tokens_per_draft']:.2f} tokens "
+            f"per verification, {s['spec_tokens_per_step']:.2f} tokens per request step")
+
+
+def split_values(values: str) -> list[str]:
+    """A sweep's values: split on the commas outside braces and brackets (a JSON object is one value)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(values):
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(values[start:i])
+            start = i + 1
+    out.append(values[start:])
+    return out
+
+
 def _with_knob(args: argparse.Namespace, name: str, value: str) -> argparse.Namespace:
     a = argparse.Namespace(**vars(args))
+    if name == "speculative_config":   # a JSON object, or none / off
+        setattr(a, name, None if value.strip().lower() in ("none", "off", "") else value)
+        return a
+    if name == "spec_acceptance":   # P, or P:WEIGHT (parsed by SimSpeculation)
+        setattr(a, name, value)
+        return a
     current = getattr(a, name)
     kind = type(current) if current is not None else (float if "." in value else int)
     if kind is bool:
@@ -221,7 +272,8 @@ def _with_knob(args: argparse.Namespace, name: str, value: str) -> argparse.Name
     return a
 
 
-SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arrival", "prompt_len", "output_len")
+SWEEPABLE_EXTRA = ("rate", "num_requests", "replicas", "tensor_parallel", "arrival", "prompt_len", "output_len",
+                   "spec_acceptance", "spec_match_rate")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -269,7 +321,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         engine_names, sched_names = option_names()
         if sweep_name not in engine_names + sched_names + list(SWEEPABLE_EXTRA) or not values:
             raise ValueError(f"--sweep NAME=V1,V2,...: NAME is an engine option or one of {', '.join(SWEEPABLE_EXTRA)}")
-        sweep_values = values.split(",")
+        sweep_values = split_values(values)
+    if (args.spec_acceptance is not None or args.spec_match_rate is not None) and not args.speculative_config \
+            and sweep_name != "speculative_config":
+        raise ValueError("--spec-acceptance and --spec-match-rate describe the workload's drafts: they go with "
+                         "--speculative-config (or a --sweep of it)")
     rows, report = [], {"runs": []}
     for value in sweep_values:
         a = _with_knob(args, sweep_name, value) if sweep_name else args
@@ -316,12 +372,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     blocks, host = setup.kv_blocks()
     print(f"cost model: {setup.describe}; KV cache: {blocks} blocks of {setup.config.block_size} tokens "
           f"per replica" + ("" if sweep_name else f", {args.replicas} replica(s)"))
+    if any("spec_drafts" in s for _, s in rows):
+        print(f"speculative decoding: {setup.describe_speculation() if setup.speculative else 'see the runs'}")
     print(table(rows))
+    for label, s in rows:
+        line = spec_line(label, s)
+        if line:
+            print(line)
     for run in report["runs"]:
         if "elasticity" in run:
             print(f"{run['label']}: % change per 1% of every step cost (costs {100 * SENSITIVITY_STEP:.0f}% up and "
                   "down): " + ", ".join(f"{m} {e:+.1f}" for m, e in run["elasticity"].items()))
-    report.update(cost_model=setup.describe, kv_blocks=blocks, slo=slo, argv=sys.argv[1:])
+    report.update(cost_model=setup.describe, kv_blocks=blocks, slo=slo, argv=sys.argv[1:],
+                  speculation={"acceptance": setup.speculation.acceptance, "match_rate": setup.speculation.match_rate})
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return 0
@@ -360,6 +423,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--prefix-share", type=float, default=1.0, help="fraction of requests in a group")
     w.add_argument("--priorities", help="priority:weight,... e.g. 0:0.9,1:0.1")
     w.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("speculative decoding (with --speculative-config, the engine's option)")
+    s.add_argument("--spec-acceptance", type=str, default=None, metavar="P",
+                   help="the chance that each draft token is the model's own, independently, up to the first "
+                        f"refused one (default {DEFAULT_ACCEPTANCE}); P1:W1,P2:W2,...: a mix of requests (e.g. "
+                        "0.9:0.3,0.2:0.7: 30%% of requests at 0.9). From a real run: its accepted drafts at the "
+                        "first position / its verifications")
+    s.add_argument("--spec-match-rate", type=float, default=None, metavar="Q",
+                   help="the chance that the proposer has a guess at a decode step "
+                        f"(default {DEFAULT_MATCH_RATE}: always)")
     r = p.add_argument_group("runs")
     r.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
     r.add_argument("--router", default="least-load", choices=(*POLICIES, *ALIASES),
@@ -368,7 +440,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "least-loaded: an alias of least-load")
     r.add_argument("--slo", help="e.g. ttft_p99=2s,tpot_p50=100ms (goodput counts requests within the bounds)")
     r.add_argument("--sweep", help="NAME=V1,V2,...: one run per value of an engine option, or of rate, "
-                                   "num_requests, replicas, tensor_parallel, arrival, prompt_len, output_len")
+                                   "num_requests, replicas, tensor_parallel, arrival, prompt_len, output_len, "
+                                   "spec_acceptance, spec_match_rate (speculative_config: none or a JSON object)")
     r.add_argument("--find-max-rate", action="store_true", help="the highest request rate that meets --slo")
     r.add_argument("--find-replicas", action="store_true", help="the fewest replicas that meet --slo at --rate")
     r.add_argument("--sensitivity", action="store_true",

@@ -34,19 +34,43 @@ class OracleLengths:
     """Makes every request end after its true output length: EOS there and only there.
 
     It follows the plans like a runner does (``RunnerState``) to know how many tokens each
-    request has generated: call ``fix`` once per executed plan."""
+    request has generated: call ``fix`` once per executed plan.
+
+    Speculative decoding: a seq with drafts emits its accepted drafts, then the sampled token. The
+    oracle keeps at most the drafts that fit before the request's end (so its last token, EOS, is a
+    sampled one, exactly at the oracle length) and records them in its state as the runner does
+    (``RunnerState.accept``). Keeping fewer than the model did happens only in the request's last
+    step, which ends it: the runner's copy, one ahead, is forgotten with it."""
 
     def __init__(self) -> None:
         self.lengths: dict[str, int] = {}
         self.state = RunnerState()
 
-    def fix(self, plan: SchedulerOutput, sampled: dict[str, int]) -> dict[str, int]:
+    def fix(self, plan: SchedulerOutput, sampled: dict[str, int],
+            accept: Callable[[str, int, int], int] | None = None) -> dict[str, int]:
+        """The sampled tokens with EOS at each request's end (see ``fix_output``)."""
+        return self.fix_output(plan, sampled, accept)[0]
+
+    def fix_output(self, plan: SchedulerOutput, sampled: dict[str, int],
+                   accept: Callable[[str, int, int], int] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+        """(sampled tokens, accepted drafts per seq that had some). `accept(request id, position of
+        its next output token, number of drafts)`: how many drafts the model accepted (None: none)."""
         self.state.apply(plan)
-        out = {}
-        for rid, token in sampled.items():
-            last = self.state.row(rid).num_output_tokens + 1 >= self.lengths[rid]
-            out[rid] = EOS if last else (token if token != EOS else EOS + 1)
-        return out
+        out, accepted = {}, {}
+        for s in plan.scheduled:
+            rid = s.request_id
+            if rid not in sampled:
+                continue
+            n = self.state.row(rid).num_output_tokens   # the sampled token (or first draft) is output n + 1
+            if s.num_drafts:
+                a = accept(rid, n, s.num_drafts) if accept is not None else 0
+                a = max(0, min(a, s.num_drafts, self.lengths[rid] - n - 1))
+                self.state.accept(rid, a)
+                accepted[rid] = a
+                n += a
+            token = sampled[rid]
+            out[rid] = EOS if n + 1 >= self.lengths[rid] else (token if token != EOS else EOS + 1)
+        return out, accepted
 
 
 class OracleExecutor:
@@ -60,7 +84,13 @@ class OracleExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         out = self.inner.execute(plan)
-        return ModelOutput(self.oracle.fix(plan, out.sampled), out.logprobs)
+        got = out.accepted or {}
+        sampled, accepted = self.oracle.fix_output(plan, out.sampled, lambda rid, n, k: got.get(rid, 0))
+        draft_logprobs = None
+        if out.draft_logprobs:
+            draft_logprobs = {rid: e[:accepted.get(rid, 0)] for rid, e in out.draft_logprobs.items()
+                              if accepted.get(rid, 0)}
+        return ModelOutput(sampled, out.logprobs, accepted=accepted or None, draft_logprobs=draft_logprobs or None)
 
 
 @dataclass
@@ -196,7 +226,7 @@ def _step(replica: Replica, now: float, records: list[RequestRecord]) -> None:
     for u in updates:
         rec = records[int(u.seq_id)]
         if u.token_id is not None:
-            rec.num_output_tokens += 1
+            rec.num_output_tokens += 1 + len(u.prev_token_ids or ())
             if rec.first_token is None:
                 rec.first_token = u.metrics.first_token_time
         if u.finish_reason is not None:

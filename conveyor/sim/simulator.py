@@ -5,8 +5,10 @@ harness (harness.py); only the executor and the clock differ. The executor "runs
 modelled time instead of calling a model: it advances a simulated clock by the cost model's
 step time (scheduler/costs.py: fitted on this machine by ``conveyor profile``; roofline.py: a named GPU),
 and each request emits EOS after its predetermined output length. Everything else —
-admission, preemption, chunking, prefix caching — is the production code path, so policies
-can be compared on thousands of requests in seconds. No torch here.
+admission, preemption, chunking, prefix caching, speculative decoding's choice of drafts — is
+the production code path, so policies can be compared on thousands of requests in seconds. With
+speculation the executor draws how many drafts the model accepts from the workload's acceptance
+distribution (speculation.py). No torch here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from conveyor.scheduler.costs import AfterPrefill, CostModel, StepCostModel, Ste
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
+from conveyor.sim.speculation import SimSpeculation, make_speculator, spec_summary
 from conveyor.sim.workload import TOKEN_RANGE, SimRequest
+from conveyor.spec.speculator import SpeculativeConfig
 
 __all__ = ["EOS", "SimClock", "CostModelExecutor", "SimRequest", "SimResult", "simulate", "replay",
            "StepCostModel", "percentile", "elasticity"]
@@ -46,15 +50,23 @@ class SimClock:
         self.now = max(self.now, t)
 
 
+def step_shape(plan: SchedulerOutput) -> StepShape:
+    """The plan's shape as the runner computes it (a speculative verification as k + 1 decodes:
+    ``StepShape.of``)."""
+    return StepShape.of(plan)
+
+
 class CostModelExecutor:
     """An Executor that advances the clock by the modelled time and emits each request's
-    predetermined output (EOS at its oracle length)."""
+    predetermined output (EOS at its oracle length); with `speculation`, drafts are accepted as
+    the workload's acceptance distribution draws them (speculation.py)."""
 
     def __init__(self, cost: CostModel, clock: SimClock, oracle: OracleLengths,
-                 speed: Callable[[float], float] | None = None):
+                 speed: Callable[[float], float] | None = None, speculation: SimSpeculation | None = None):
         self.cost, self.clock, self.oracle = cost, clock, oracle
         self.speed = speed   # the machine's slowness over time: a step starting at t takes speed(t) x the model's
         self.after_prefill = AfterPrefill()   # decode steps after a prefill chunk cost more (cost.py)
+        self.speculation = speculation
 
     def _factor(self) -> float:
         if not self.speed:
@@ -68,11 +80,15 @@ class CostModelExecutor:
         self.clock.advance(self._factor() * (self.cost.swap_time(len(swap_out)) + self.cost.swap_time(len(swap_in))))
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
-        shape = StepShape.of(plan)
-        t = self.cost.shape_time(shape) if isinstance(self.cost, StepCostModel) else self.cost.step_time(plan)
+        shape = step_shape(plan)
+        shape_time = getattr(self.cost, "shape_time", None)
+        t = shape_time(shape) if shape_time is not None else self.cost.step_time(plan)
         self.clock.advance(self._factor() * (t + self.after_prefill.extra(self.cost, shape.prefill_tokens,
                                                                           shape.tokens)))
-        return ModelOutput(self.oracle.fix(plan, {s.request_id: EOS + 1 for s in plan.scheduled if s.sample}))
+        accept = self.speculation.accepted if self.speculation is not None else None
+        sampled, accepted = self.oracle.fix_output(
+            plan, {s.request_id: EOS + 1 for s in plan.scheduled if s.sample}, accept)
+        return ModelOutput(sampled, accepted=accepted or None)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -93,6 +109,7 @@ class SimResult:
     traces: list[StepTracer] = field(default_factory=list)
     steps: int = 0
     block_size: int = 16
+    spec: dict | None = None           # speculative decoding's counters (speculation.spec_summary); None: off
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -174,6 +191,8 @@ class SimResult:
                    + s.prefix_cache_hits * self.block_size)
         if self.traces:
             out["mean_kv_usage"], out["peak_kv_usage"] = self.kv_usage()
+        if self.spec is not None:
+            out.update(self.spec)
         if slo:
             out["goodput_req_s"] = self.goodput(slo)
             out["slo_met"] = self.meets(slo)
@@ -182,12 +201,17 @@ class SimResult:
 
 def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int,
                  cost: CostModel, prefix_caching: bool, trace: bool, detail: bool = False,
-                 speed: Callable[[float], float] | None = None) -> Replica:
+                 speed: Callable[[float], float] | None = None, speculative: SpeculativeConfig | None = None,
+                 speculation: SimSpeculation | None = None) -> Replica:
     clock, oracle = SimClock(), OracleLengths()
     kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching)
+    if speculative is not None and speculation is None:
+        speculation = SimSpeculation()
     # as the engine does: the auto mode decides with the cost model's costs (unless the user set them)
     core = EngineCore(Scheduler(config, kv, costs=preemption_costs(config, cost)),
-                      CostModelExecutor(cost, clock, oracle, speed), clock)
+                      CostModelExecutor(cost, clock, oracle, speed, speculation if speculative else None), clock)
+    if speculative is not None:   # the engine's Speculator, timed by the simulated clock (EngineCore.step)
+        core.scheduler.speculator = make_speculator(speculative, speculation, cost)
     if trace:
         core.tracer = StepTracer(detail=detail, meta={"source": "simulator"})
     return Replica(core, oracle, clock, clock.wait_until, getattr(cost, "between_steps", 0.0))
@@ -196,7 +220,9 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
 def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: int, block_size: int = 16,
              num_host_blocks: int = 0, cost: CostModel | None = None, *, replicas: int = 1,
              router: str | Router = "least-load", prefix_caching: bool = False, trace: bool = False,
-             seed: int = 0, max_steps: int = 50_000_000, speed: Callable[[float], float] | None = None) -> SimResult:
+             seed: int = 0, max_steps: int = 50_000_000, speed: Callable[[float], float] | None = None,
+             speculative: SpeculativeConfig | dict | str | None = None,
+             speculation: SimSpeculation | None = None) -> SimResult:
     """Run the workload through `replicas` simulated engines (each with its own KV cache of
     num_blocks blocks) behind a router; returns per-request records, stats and optional traces.
 
@@ -206,14 +232,25 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
 
     `speed`: a machine whose speed changes over time — a step (or swap copy) starting at simulated
     time t takes speed(t) times the cost model's time (e.g. `validate.speed_timeline` of a real
-    run's trace: what its own machine did, window by window)."""
+    run's trace: what its own machine did, window by window).
+
+    `speculative`: speculative decoding as the engine's --speculative-config (None: off), with
+    `speculation` the workload's acceptance distribution and match rate (default: SimSpeculation()
+    with this seed)."""
     cost = cost or StepCostModel()
-    reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace, speed=speed)
+    speculative = SpeculativeConfig.parse(speculative)
+    if speculative is not None and speculation is None:
+        speculation = SimSpeculation(seed=seed)
+    reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace, speed=speed,
+                         speculative=speculative, speculation=speculation)
             for _ in range(replicas)]
     records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)
     steps = sum(r.core.scheduler.step for r in reps)
     stats = EngineStats.combine([r.core.engine_stats() for r in reps])
-    return SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps, block_size)
+    result = SimResult(records, stats, [r.core.tracer for r in reps if r.core.tracer], steps, block_size)
+    if speculative is not None:
+        result.spec = spec_summary([r.core.scheduler.speculator for r in reps], result.output_tokens)
+    return result
 
 
 def engine_knobs(engine) -> dict:

@@ -52,3 +52,27 @@ def test_requests_are_counted_once_whatever_their_sequences(make_engine):
     s = engine.stats()
     assert engine.core.scheduler.num_followers == 0
     assert (s.num_running_requests, s.num_waiting_requests, s.num_running, s.num_waiting) == (0, 0, 0, 0)
+
+
+def test_speculation_counters_are_in_the_snapshot_and_cross_the_wire():
+    """The speculator's counters (vLLM's spec-decode metrics) are fields: zeros and no positions while
+    speculation is off, a copy of its SpecStats while on; they survive the process wire."""
+    from conveyor.core.wire import StepResults, decode_result, encode
+    from conveyor.spec.speculator import SpeculativeConfig, Speculator
+
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(8, 4, 0, True))
+    off = EngineStats.of(sched, CoreStats(), dead=False)
+    assert (off.spec_num_drafts, off.spec_num_draft_tokens, off.spec_num_accepted_tokens) == (0, 0, 0)
+    assert off.spec_accepted_per_pos == ()
+    sched.speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3))
+    assert EngineStats.of(sched, CoreStats(), dead=False).spec_accepted_per_pos == (0, 0, 0)   # on, at 0
+    for proposed, accepted in ((3, 2), (2, 0), (3, 3)):
+        sched.speculator.observe("r", proposed, accepted)
+    sched.stats.spec_rejected_tokens = 3
+    s = EngineStats.of(sched, CoreStats(), dead=False)
+    sched.speculator.observe("r", 1, 1)   # the snapshot is a copy
+    assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (3, 8, 5)
+    assert s.spec_accepted_per_pos == (2, 2, 1) and s.spec_rejected_tokens == 3
+    got = decode_result(encode(StepResults(updates=[], stats=s, applied_seqs=0)))
+    assert got.stats == s and type(got.stats.spec_accepted_per_pos) is tuple
+    assert s.as_dict()["spec_accepted_per_pos"] == (2, 2, 1)

@@ -91,6 +91,19 @@ def test_demo_tp2_equals_tp1_under_preemption_and_prefix_caching(mode):
 
 
 @pytest.mark.slow
+def test_tp2_with_speculative_decoding_equals_tp1(tiny_models):
+    """Only rank 0 verifies drafts: the other ranks learn how many were accepted from where each
+    request's next chunk starts (runner/state.py), and keep the same KV and outputs."""
+    path = with_tokenizer(tiny_models("llama_gqa").path)
+    prompts = [{"prompt_token_ids": ([7, 8, 9, 10] * 6)[:n]} for n in (9, 14, 23)]   # repeats: n-gram drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    one, _ = run(path, 1, prompts, num_kv_blocks=64)
+    two, stats = run(path, 2, prompts, num_kv_blocks=64, speculative_config=spec)
+    assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert_same(one, two)
+
+
+@pytest.mark.slow
 def test_a_dead_rank_fails_requests_and_then_the_engine(tiny_models):
     path = with_tokenizer(tiny_models("llama_gqa").path)
     prompt = [{"prompt_token_ids": random_prompts([12], seed=5)[0]}]

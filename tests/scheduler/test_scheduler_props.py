@@ -20,6 +20,7 @@ Other files of this directory import ``Sim`` and ``make_request`` from here.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from conveyor.scheduler.admission import AdmissionPolicy
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
+from conveyor.spec.speculator import SpeculativeConfig, Speculator
 
 EOS = 0
 VOCAB = 50
@@ -67,6 +69,36 @@ def make_request(rid: str, prompt: list[int], max_tokens: int | None, *, out_len
     params.eos_token_ids = (EOS,)
     return OracleRequest(rid, list(prompt), params, seed=seed, priority=priority, max_model_len=max_model_len,
                          prefill_leader=leader, out_len=out_len)
+
+
+def true_token(req: OracleRequest, k: int) -> int:
+    """What the request samples at output index k."""
+    return EOS if req.out_len is not None and k == req.out_len - 1 else token_at(req.seed, k)
+
+
+class TruthProposer:
+    """Speculative drafts that are right for a while, then wrong: the first m of up to k drafts are the
+    request's true next tokens, m a pure function of (request, position) -- so drafts are accepted,
+    refused, and accepted into a finish."""
+
+    name = "truth"
+
+    def propose(self, req: OracleRequest, k: int) -> list[int]:
+        n = req.num_output_tokens
+        m = zlib.crc32(f"{req.request_id}:{n}".encode()) % (k + 2)
+        drafts = [true_token(req, n + j) for j in range(min(m, k))]
+        if len(drafts) < k:
+            drafts.append(1 + true_token(req, n + len(drafts)) % (VOCAB - 1))   # a wrong one
+        return drafts
+
+    def finished(self, req: OracleRequest) -> None:
+        pass
+
+
+def speculator(k: int):
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=k, adaptive=False))
+    spec.proposer = TruthProposer()
+    return spec
 
 
 def expected_output(req: OracleRequest) -> list[int]:
@@ -127,23 +159,24 @@ class FakeExecutor:
         for s in plan.scheduled:
             truth = self.oracle(s.request_id).all_token_ids
             table = self.state.block_table(s.request_id)
-            c = s.num_computed_tokens
-            assert s.token_ids == truth[c:c + s.num_tokens], f"{s.request_id}: plan tokens are not its tokens"
-            for pos in range(c, c + s.num_tokens):
+            c, known = s.num_computed_tokens, s.num_tokens - s.num_drafts
+            assert s.token_ids[:known] == truth[c:c + known], f"{s.request_id}: plan tokens are not its tokens"
+            for pos in range(c, c + s.num_tokens):   # (drafts' KV too: a refused one's is garbage)
                 for g in range(G):
                     b = table[pos // bs * G + g]
                     assert self.kv.ref_count(b) == 1, f"{s.request_id} writes into shared block {b}"
                     assert not self.kv.is_cached(b), f"{s.request_id} writes into cached block {b}"
-                    self.device[b][pos % bs] = (g, truth[pos])
+                    self.device[b][pos % bs] = (g, s.token_ids[pos - c])
         self.during_execute()
         if self.fault("execute"):
             raise InjectedFault("injected forward failure")
-        tokens = {}
+        tokens, accepted = {}, {}
         for s in plan.scheduled:
             req = self.oracle(s.request_id)
             table = self.state.block_table(s.request_id)
-            for g, w in enumerate(windows):   # what the chunk's queries see: all, or their windows
-                for pos in range(max(0, s.num_computed_tokens - w + 1) if w else 0, s.num_computed_tokens + s.num_tokens):
+            known = s.num_computed_tokens + s.num_tokens - s.num_drafts
+            for g, w in enumerate(windows):   # what the chunk's known tokens see: all, or their windows
+                for pos in range(max(0, s.num_computed_tokens - w + 1) if w else 0, known):
                     got = self.device[table[pos // bs * G + g]][pos % bs]
                     assert got == (g, req.all_token_ids[pos]), \
                         f"{s.request_id}: KV at position {pos} (group {g}) holds {got}, expected {req.all_token_ids[pos]}"
@@ -151,10 +184,17 @@ class FakeExecutor:
                 row = self.state.row(s.request_id)
                 k = row.num_output_tokens
                 assert k == req.num_output_tokens
-                eos = req.out_len is not None and k == req.out_len - 1
-                tokens[s.request_id] = EOS if eos else token_at(row.seed, k)
+                if s.num_drafts:   # verification: the drafts that are its true next tokens, in order
+                    drafts = s.token_ids[s.num_tokens - s.num_drafts:]
+                    a = 0
+                    while a < len(drafts) and drafts[a] == true_token(req, k + a):
+                        a += 1
+                    accepted[s.request_id] = a
+                    self.state.accept(s.request_id, a)
+                    k += a
+                tokens[s.request_id] = true_token(req, k)
         return ModelOutput(tokens, prompt_logprobs=self._prompt_logprobs(plan) or None,
-                           embeddings=self._embeddings(plan) or None)
+                           embeddings=self._embeddings(plan) or None, accepted=accepted or None)
 
     def _check_state(self) -> None:
         """After a plan, the runner holds running and swapped requests only, each running one with the KV
@@ -213,11 +253,14 @@ class Sim:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  prefix_caching: bool = True, admission: AdmissionPolicy | None = None, check: bool = True,
-                 max_consecutive_failures: int = 3, windows: tuple[int, ...] = (0,)):
-        """windows: the KV layer groups' (KVLayout; default one global group)."""
+                 max_consecutive_failures: int = 3, windows: tuple[int, ...] = (0,), speculate: int = 0):
+        """windows: the KV layer groups' (KVLayout; default one global group); speculate: up to this
+        many speculative drafts per decode (TruthProposer's)."""
         self.config = config
         self.kv = KVCacheManager(num_blocks, block_size, num_host_blocks, prefix_caching, windows_layout(windows))
         self.sched = Scheduler(config, self.kv, admission)
+        if speculate:
+            self.sched.speculator = speculator(speculate)
         self.all: dict[str, OracleRequest] = {}
         self.exe = FakeExecutor(self.kv, self.all.__getitem__)
         self.core = EngineCore(self.sched, self.exe, clock=self._tick, max_consecutive_failures=max_consecutive_failures)
@@ -306,15 +349,19 @@ class Sim:
             assert req in self.sched.running
             assert s.num_tokens >= 1
             assert s.num_computed_tokens == req.num_computed_tokens
-            assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
-            assert s.sample == (req.num_computed_tokens + s.num_tokens == req.num_tokens and req.params.pooling is None)
+            known = s.num_tokens - s.num_drafts
+            assert req.num_computed_tokens + known <= req.num_tokens
+            assert s.sample == (req.num_computed_tokens + known == req.num_tokens and req.params.pooling is None)
+            if s.num_drafts:   # drafts: a decode's, within its output limit
+                assert known == 1 and req.num_output_tokens > 0
+                assert req.num_output_tokens + 1 + s.num_drafts <= req.max_tokens
             held = [] if s.new is not None or s.replace_table else self.exe.state.block_table(rid)   # (before)
             rebuilt, table = held + s.new_block_ids, kv.block_table(rid)
             # (where a local group gave a block back the runner keeps the old id, never read again)
             assert len(rebuilt) == len(table) and all(b == t or t == kv.null_block for b, t in zip(rebuilt, table)), \
                 f"{rid}: the delta does not rebuild its table"
             assert len(table) // kv.num_groups * kv.block_size >= req.num_computed_tokens + s.num_tokens
-            assert s.num_tokens <= cfg.prefill_chunk_cap
+            assert s.num_tokens - s.num_drafts <= cfg.prefill_chunk_cap
         assert set(out.swapped_out_ids) == entry.swapped_out
         swapped_blocks = sum(kv.num_swapped_blocks(rid) for rid in entry.swapped_out)
         assert swapped_blocks == len(out.swap_out)
@@ -462,8 +509,8 @@ def step_bound(arrivals: list[Arrival]) -> int:
     return 100 + max(a.step for a in arrivals) + 30 * work
 
 
-def drive(cfg, num_blocks, block_size, num_host, caching, arrivals, windows=(0,)) -> Sim:
-    sim = Sim(cfg, num_blocks, block_size, num_host, caching, windows=windows)
+def drive(cfg, num_blocks, block_size, num_host, caching, arrivals, windows=(0,), speculate=0) -> Sim:
+    sim = Sim(cfg, num_blocks, block_size, num_host, caching, windows=windows, speculate=speculate)
     pending = sorted(arrivals, key=lambda a: a.step)
     aborts = {a.req.request_id: a for a in arrivals if a.abort_at is not None}
     bound = step_bound(arrivals)
@@ -504,6 +551,29 @@ def test_random_workloads_keep_invariants_and_finish(scenario):
         # a recompute victim may be re-admitted within the step that preempted it (from scratch)
         for rid in entry.preempted & set(entry.scheduled):
             assert rid not in entry.swapped_out
+
+
+SPEC_SEEN = {"accepted": 0, "refused": 0, "preempted": 0}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(scenarios(), scenarios(pressure=True)), st.integers(1, 6))
+def test_random_workloads_with_speculation_give_the_same_outputs(scenario, k):
+    """Speculative drafts, accepted and refused, in every situation the scenarios make (chunked
+    prefill, preemption by swap and recompute, prefix sharing, aborts, layer groups): the same outputs,
+    every invariant after every step (Sim's checks), the cache whole at the end."""
+    sim = drive(*scenario, speculate=k)
+    s = sim.sched.speculator.stats
+    SPEC_SEEN["accepted"] += s.num_accepted_tokens
+    SPEC_SEEN["refused"] += s.num_draft_tokens - s.num_accepted_tokens
+    SPEC_SEEN["preempted"] += sim.sched.stats.num_preemptions if s.num_drafts else 0
+
+
+def test_the_speculation_scenarios_exercised_acceptance_refusal_and_preemption():
+    """(runs after the property test above, in file order)"""
+    if not any(SPEC_SEEN.values()):
+        pytest.skip("run with the property test above")
+    assert SPEC_SEEN["accepted"] > 0 and SPEC_SEEN["refused"] > 0 and SPEC_SEEN["preempted"] > 0
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])

@@ -61,6 +61,15 @@ def test_stats_sum_over_replicas():
     g = EngineStats.combine([a.replace(kv_group_windows=(0, 512), prefix_cache_group_hits=(5, 7)),
                              b.replace(kv_group_windows=(0, 512), prefix_cache_group_hits=(1, 2))])
     assert g.kv_group_windows == (0, 512) and g.prefix_cache_group_hits == (6, 9)
+    # speculative decoding: counters summed, accepted drafts position by position (a replica that has
+    # not reported yet has no positions: the others' still count)
+    spec = dict(spec_num_drafts=4, spec_num_draft_tokens=10, spec_num_accepted_tokens=6, spec_rejected_tokens=4)
+    sp = EngineStats.combine([a.replace(**spec, spec_accepted_per_pos=(3, 2, 1)),
+                              b.replace(**spec, spec_accepted_per_pos=(4, 1, 1)), EngineStats()])
+    assert (sp.spec_num_drafts, sp.spec_num_draft_tokens, sp.spec_num_accepted_tokens,
+            sp.spec_rejected_tokens) == (8, 20, 12, 8)
+    assert sp.spec_accepted_per_pos == (7, 3, 2)
+    assert EngineStats.combine([a, b]).spec_accepted_per_pos == ()   # off
 
 
 CONFIG = EngineConfig.from_options(dtype="float32", num_kv_blocks=128, max_num_seqs=8, cost_model="none")

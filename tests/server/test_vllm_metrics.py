@@ -115,6 +115,7 @@ def test_every_vllm_name_is_served_with_the_conveyor_value(server):
 
     for name in GIE_NAMES + PRODUCTION_STACK_NAMES + DASHBOARD_NAMES:
         assert any(s.name == name for s in samples), name
+    assert not any(s.name.startswith("vllm:spec_decode_") for s in samples)   # speculation off: none, as vLLM
     for s in samples:   # vLLM's labels: the served model's name and the engine index
         if s.name.startswith("vllm:") and s.name not in ("vllm:lora_requests_info", "vllm:cache_config_info"):
             assert s.labels["model_name"] == model and s.labels["engine"] == "0", s
@@ -158,3 +159,52 @@ def test_every_vllm_name_is_served_with_the_conveyor_value(server):
     lora = [s for s in samples if s.name == "vllm:lora_requests_info"]
     assert len(lora) == 1 and lora[0].value > 0 and lora[0].labels == {
         "max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+
+
+SPEC_NAMES = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+@pytest.fixture(scope="module")
+def spec_server(demo_model):
+    """Prompt-lookup speculation, every match drafted (not the cost model's choice)."""
+    handle = start_server(demo_model, engine_options={"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 4, "adaptive": False}})
+    yield handle
+    handle.stop()
+
+
+@pytest.mark.slow
+def test_spec_decode_counters_under_vllm_names(spec_server):
+    """vLLM's SpecDecodingProm series: counters with (model_name, engine), the per-position one with
+    `position` 0..num_speculative_tokens-1, there (at 0) before the first draft; values equal the
+    engine's stats, and accepted drafts thin out with the position."""
+    srv = spec_server
+    values, types, samples = scrape(srv.http)
+    assert [values[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={p}}}"] for p in range(4)] == [0] * 4
+    assert values["vllm:spec_decode_num_drafts_total"] == 0
+    client = srv.openai()
+    r = client.completions.create(model=srv.engine.model_name, prompt="a b c d e f g a b c d e f g a b c d e f g a b c",
+                                  max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 32
+    stats = srv.wait_idle()
+    values, types, samples = scrape(srv.http)
+
+    for name in SPEC_NAMES:
+        assert types[name] == "counter", name
+    for s in samples:
+        if s.name.startswith("vllm:spec_decode_"):
+            assert s.labels["model_name"] == srv.engine.model_name and s.labels["engine"] == "0", s
+            assert set(s.labels) == ({"model_name", "engine", "position"} if "per_pos" in s.name
+                                     else {"model_name", "engine"}), s
+    drafts = values["vllm:spec_decode_num_drafts_total"]
+    draft_tokens = values["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = values["vllm:spec_decode_num_accepted_tokens_total"]
+    per_pos = [values[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={p}}}"] for p in range(4)]
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=4}" not in values
+    assert drafts > 0 and draft_tokens >= drafts and 0 <= accepted <= draft_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and sum(per_pos) == accepted
+    assert per_pos[0] <= drafts
+    assert (drafts, draft_tokens, accepted, tuple(per_pos)) == (
+        stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos)
+    assert stats.spec_rejected_tokens == draft_tokens - accepted

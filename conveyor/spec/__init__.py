@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers that guess a request's next tokens for the model to verify."""
