@@ -95,6 +95,7 @@ class Request:
     preempted_step: int = -1              # step at which it was last preempted
     grammar: Any = None                   # structured outputs: this sequence's llguidance matcher
     grammar_ended: bool = False           # its grammar is complete or refused a token (sampling/structured.py)
+    grammar_end: int | None = None        # ... after this many output tokens (None: after the latest)
     prompt_logprobs: list | None = None   # params.prompt_logprobs: one entry per prompt token so far
     spec_state: Any = None   # speculative decoding: the proposer's per-request state (conveyor/spec/proposers.py)
     metrics: RequestMetrics = field(init=False)

@@ -148,10 +148,18 @@ class EngineCore:
         tracer = self.tracer
         if tracer is not None:
             start, before = self.clock(), self._preemption_counts()
+        spec = self.scheduler.speculator
+        if spec is not None:
+            began, generated = self.clock(), self.scheduler.stats.generation_tokens_total
         try:
             updates = self._step()
         finally:
             self.stats.last_step_time = time.perf_counter() - t0
+        plan = self.last_plan
+        if spec is not None and plan is not None and plan.scheduled and not plan.num_prefill_tokens:
+            # what a decode step of this size costs here, whole (what its drafts are weighed against)
+            spec.observe_step(plan.num_tokens, self.clock() - began,
+                              self.scheduler.stats.generation_tokens_total - generated)
         self._check_if_idle()
         if tracer is not None and self.last_plan is not None and not self.last_plan.is_empty:
             failed = sum(1 for u in updates if u.error is not None and u.error_code is None)
@@ -198,11 +206,7 @@ class EngineCore:
         model_out = ModelOutput()
         if plan.scheduled:
             try:
-                started = self.clock()
                 model_out = self.executor.execute(plan)
-                if self.scheduler.speculator is not None and not plan.num_prefill_tokens:
-                    # what a decode step of this size costs here (what its drafts are weighed against)
-                    self.scheduler.speculator.observe_step(plan.num_tokens, self.clock() - started)
                 expected = {s.request_id for s in plan.scheduled if s.sample}
                 if model_out.sampled.keys() != expected:
                     raise RuntimeError(f"the executor returned {len(model_out.sampled)} tokens for "
@@ -213,7 +217,7 @@ class EngineCore:
         collect_prompt_logprobs(model_out.prompt_logprobs, requests)
         embeddings = collect_embeddings(model_out.embeddings, requests)
         if self.grammars is not None:
-            self.grammars.accept(model_out.sampled, requests)
+            self.grammars.accept(_step_tokens(plan, model_out), requests)
         try:
             touched = self.scheduler.update(plan, model_out)   # finishes what is done (scheduler/stopping.py)
         except Exception as e:   # noqa: BLE001
@@ -307,6 +311,18 @@ class EngineCore:
     def engine_stats(self) -> EngineStats:
         """A typed snapshot of the scheduler's, KV cache's and this core's counters."""
         return EngineStats.of(self.scheduler, self.stats, self.dead)
+
+
+def _step_tokens(plan: SchedulerOutput, model_out: ModelOutput) -> dict[str, list[int]]:
+    """Each sampling sequence's new tokens of the step, in order: its accepted drafts, then the sampled one."""
+    accepted = model_out.accepted or {}
+    out = {}
+    for s in plan.scheduled:
+        token = model_out.sampled.get(s.request_id)
+        if token is not None:
+            a = accepted.get(s.request_id, 0)
+            out[s.request_id] = s.token_ids[s.num_tokens - s.num_drafts:][:a] + [token]
+    return out
 
 
 def idle_violations(scheduler: Scheduler, full: bool = True) -> list[str]:

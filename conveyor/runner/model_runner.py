@@ -145,7 +145,7 @@ class ModelRunner:
                     row, num_output_tokens=row.num_output_tokens + j,
                     output_token_ids=None if history is None else history + proposed[:j]))
                 drafts.append(proposed[j] if j < s.num_drafts else -1)
-        # (A speculating request has no grammar: the bitmask rows are other requests'.)
+        # (a grammar's mask rows: one per position of a speculating request, after each draft)
         edit_logits(logits, ids, rows, plan.grammar_ids, plan.grammar_bitmask)
         result = self.sampler.verify(logits, rows, drafts)
         sampled, accepted, logprobs, draft_logprobs = {}, {}, {}, {}

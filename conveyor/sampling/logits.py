@@ -19,9 +19,17 @@ def edit_logits(logits: torch.Tensor, ids: list[str], rows: list[SamplingRow], g
     edits = [(r, row) for r, row in enumerate(rows) if row.params.has_logit_edits]
     if edits:
         apply_logit_edits(logits, edits)
-    if grammar_bitmask is not None:
-        row_of = {rid: r for r, rid in enumerate(ids)}
-        apply_bitmask(logits, [row_of[rid] for rid in grammar_ids], grammar_bitmask)
+    if grammar_bitmask is not None:   # (an id repeated: speculative positions, matched in order)
+        rows_of: dict[str, list[int]] = {}
+        for r, rid in enumerate(ids):
+            rows_of.setdefault(rid, []).append(r)
+        taken: dict[str, int] = {}
+        rows = []
+        for rid in grammar_ids:
+            i = taken.get(rid, 0)
+            rows.append(rows_of[rid][i])
+            taken[rid] = i + 1
+        apply_bitmask(logits, rows, grammar_bitmask)
 
 
 def apply_logit_edits(logits: torch.Tensor, rows: list) -> None:

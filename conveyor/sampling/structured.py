@@ -162,40 +162,67 @@ class GrammarBackend:
     # ---- the step: the engine core calls these two, and nothing else of structured outputs ----
     def step_masks(self, plan: Any, requests: dict) -> None:
         """Set the plan's allowed-token bitmasks for its constrained sequences that sample this
-        step (``plan.grammar_ids``: row i's request), in one parallel call."""
-        ids, matchers = [], []
+        step (``plan.grammar_ids``: row i's request), in one parallel call. A sequence with
+        speculative drafts gets a row per position (its id repeated): the mask after each draft."""
+        ids, matchers, drafts = [], [], []
         for s in plan.scheduled:
             request = requests.get(s.request_id) if s.sample else None
             if request is not None and request.grammar is not None:
-                ids.append(s.request_id)
+                proposed = s.token_ids[s.num_tokens - s.num_drafts:] if s.num_drafts else []
+                ids += [s.request_id] * (1 + len(proposed))
                 matchers.append(request.grammar)
+                drafts.append(proposed)
         if matchers:
             plan.grammar_ids = ids
-            plan.grammar_bitmask = self.fill_bitmasks(matchers)
+            plan.grammar_bitmask = self.fill_bitmasks(matchers, drafts if any(drafts) else None)
 
     @staticmethod
-    def accept(sampled: dict[str, int], requests: dict) -> None:
-        """Feed each constrained sequence the token it sampled. A grammar that refuses it, or that
-        can take nothing more, marks the request ``grammar_ended`` (the scheduler's finish check
-        then stops it: scheduler/stopping.py)."""
-        for rid, token in sampled.items():
+    def accept(tokens: dict[str, list[int]], requests: dict) -> None:
+        """Feed each constrained sequence the tokens it got this step, in order (more than one where
+        speculative drafts were accepted). A grammar that refuses one, or that can take nothing
+        more, marks the request ``grammar_ended`` after that token (``grammar_end``: the scheduler's
+        finish check then stops it there: scheduler/stopping.py)."""
+        for rid, new in tokens.items():
             request = requests.get(rid)
-            if request is None or request.grammar is None or token in request.params.eos_token_ids:
-                continue   # an end token ends the request itself (a grammar may refuse it: no warning)
-            if not request.grammar.consume_token(token):
-                logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", rid, token,
-                               request.grammar.get_error())
+            if request is None or request.grammar is None:
+                continue
+            for i, token in enumerate(new):
+                if token in request.params.eos_token_ids:
+                    continue   # an end token ends the request itself (a grammar may refuse it: no warning)
+                if not request.grammar.consume_token(token):
+                    logger.warning("request %s: token %d rejected by its grammar (%s); stopping it", rid, token,
+                                   request.grammar.get_error())
+                elif not request.grammar.is_stopped():
+                    continue
+                # refused, or nothing but the end can follow
                 request.grammar_ended = True
-            elif request.grammar.is_stopped():   # nothing but the end can follow
-                request.grammar_ended = True
+                request.grammar_end = request.num_output_tokens + i + 1
+                break
 
-    def fill_bitmasks(self, matchers: list) -> Any:
-        """An int32 tensor ``[len(matchers), ceil(vocab / 32)]``: bit t of row i set = token t allowed."""
+    def fill_bitmasks(self, matchers: list, drafts: list[list[int]] | None = None) -> Any:
+        """An int32 tensor ``[rows, ceil(vocab / 32)]``: bit t of row i set = token t allowed; a row per
+        matcher, or with `drafts` (speculative decoding) 1 + len(drafts[i]) consecutive rows per
+        matcher: its mask now and after each of its drafts (the matcher is left as it was)."""
         import torch   # lazy: keeps torch out of the torch-free units
 
-        mask = torch.empty((len(matchers), self.mask_words), dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                               self.mask_words * 4, len(matchers))
+        if drafts is None:
+            mask = torch.empty((len(matchers), self.mask_words), dtype=torch.int32)
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                                   self.mask_words * 4, len(matchers))
+        else:
+            rows = sum(1 + len(d) for d in drafts)
+            mask = torch.empty((rows, self.mask_words), dtype=torch.int32)
+            plain, drafted, row = [], [], 0
+            for m, d in zip(matchers, drafts):
+                if d:
+                    drafted.append((m, row, list(d)))
+                else:
+                    plain.append((m, row))
+                row += 1 + len(d)
+            if plain:
+                self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.mask_words * 4, rows)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, mask.data_ptr(), self.mask_words * 4,
+                                                                    rows)
         empty = (mask == 0).all(dim=1).nonzero().flatten().tolist()
         for i in empty:   # a matcher with no way on (should not happen): let it end rather than fail the step
             for t in self._eos:

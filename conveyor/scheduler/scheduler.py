@@ -265,6 +265,8 @@ class Scheduler:
         if not decodes:
             return
         drafts = self.speculator.drafts([r for r, _ in decodes], out.num_prefill_tokens, budget)
+        if not drafts:
+            return
         spare = self.kv.num_free_blocks - self._reserved_blocks() - self._buffer()
         for req, seq in decodes:
             proposed = drafts.get(req.request_id)

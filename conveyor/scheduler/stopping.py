@@ -30,6 +30,8 @@ def finish_verdict(req: Request, token: int | None) -> Verdict | None:
             return RequestStatus.FINISHED_STOPPED, token
     if n_out >= req.max_tokens:
         return RequestStatus.FINISHED_LENGTH, None
-    if req.grammar_ended:   # structured outputs: its grammar is complete or refused the token
+    if req.grammar_ended and (req.grammar_end is None or n_out >= req.grammar_end):
+        # structured outputs: its grammar is complete or refused the token (speculative decoding: the
+        # step's tokens are fed to the grammar before they are appended; it ended at grammar_end)
         return RequestStatus.FINISHED_STOPPED, None
     return None

@@ -117,6 +117,7 @@ class _OwnIndex:
     """A request's ``spec_state``: its own n-grams, indexed up to (not including) the ones ending at ``indexed``."""
     trie: _Trie
     indexed: int = 1
+    matched: int = 0   # the n of the latest proposal's match (0: none)
 
 
 class NgramProposer:
@@ -132,7 +133,14 @@ class NgramProposer:
         if k <= 0:
             return []
         n, start = self.match(req)
+        req.spec_state.matched = n
         return [] if start is None else req.all_token_ids[start:start + k]
+
+    @staticmethod
+    def match_length(req: Request) -> int:
+        """The n-gram length of the request's latest proposal (its reliability: longer guesses better)."""
+        state = req.spec_state
+        return state.matched if isinstance(state, _OwnIndex) else 0
 
     def match(self, req: Request) -> tuple[int, int | None]:
         """(n, where its continuation starts) of the longest n-gram ending the request's tokens that
@@ -189,13 +197,17 @@ class SuffixProposer:
         if k <= 0:
             return []
         n, start = self._own.match(req)
+        req.spec_state.matched = n
         root = self._roots.get(req.cache_salt)
         if root is not None:
             n_cached, found = self._trie.match(root, req.all_token_ids, self.min_n, self.max_n)
             if found is not None and n_cached > n:
                 seq_id, at = found
+                req.spec_state.matched = n_cached
                 return self._tokens_of[seq_id][at:at + k]
         return [] if start is None else req.all_token_ids[start:start + k]
+
+    match_length = staticmethod(NgramProposer.match_length)
 
     def finished(self, req: Request) -> None:
         req.spec_state = None

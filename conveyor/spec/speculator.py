@@ -7,18 +7,18 @@ token budget and take KV slots), the runner verifies them in the same forward pa
 else's work, and ``observe`` learns how many were accepted.
 
 How many, by cost: a step of T tokens (its decodes and prefill chunks) costs C(T) and does T tokens
-of work. The j-th draft of a request whose drafts are accepted with probability a is worth a**j
-expected tokens (it counts only if the j - 1 before it were accepted). Candidates sorted best first,
+of work. The j-th draft of a request is worth the probability that its first j drafts are all
+accepted: the request's own rate for a first draft (shrunk toward the overall one), times the overall
+rates of each later draft given the ones before it were accepted (acceptances come in runs: a copied
+passage goes on, so these run well above the first draft's). Candidates sorted best first,
 the step takes the prefix of them with the most expected work per second, (T + gain) / C(T + drafts)
 (the best prefix, not the first that stops improving: C need not be convex), if it beats none by
 3% (the costs and rates are estimates). At batch 1 on a CPU,
 where the step reads every weight once whatever its rows, several drafts cost little; with a large
 batch the step is compute-bound, an extra row costs about as much as a whole decode, and speculation
-turns itself off. C comes from the decode-step times this engine measured (per token-count bucket,
-scaled along the cost model's curve within one; a bucket not measured lately is priced from the
-current step's, along the curve), else from the profile's (or the default) step-cost curve scaled
-to the measured ones. Each
-request's acceptance rate is its own record, shrunk toward the proposer's overall rate; a request
+turns itself off. C comes from the decode-step times this engine measured: a line through the
+median (size, time) of each token-count bucket measured lately, extended past the ends along the
+profile's (or the default) step-cost curve. A request
 that stopped speculating tries a single draft now and then (after 16 steps, the wait doubling after
 each probe that did not lead to more, up to 512), so a rate can recover.
 
@@ -27,8 +27,11 @@ No torch here: the simulator drives the same class (its executor draws acceptanc
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,6 +102,11 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+def _median(values) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
 def _bucket(tokens: int) -> int:
     """Step sizes measured together: exact up to 8, then four per doubling."""
     if tokens <= 8:
@@ -110,97 +118,131 @@ def _bucket(tokens: int) -> int:
 class StepTimes:
     """Seconds per decode step by its token count, learned from this engine's own steps.
 
-    Each token-count bucket keeps the average ratio of its measured steps' times to the cost model's
-    curve at their sizes, so a size within a bucket is priced along the curve. A bucket measured long ago (more than ``stale`` steps back) describes
-    other contexts, another batch: a size priced against the current step's is then taken from the
-    current step's bucket scaled along the curve. Never measured: the curve times the median
-    measured/model ratio."""
+    Each token-count bucket keeps the median size and time of its latest steps (robust to the odd slow
+    step: a first use of a shape, another process on the cores): a point. A size
+    is priced on the line through the points (never falling), past the ends along the cost model's
+    curve: the cost of an extra row is what this engine measured it to be, at this batch.
+    Points measured long ago (more than ``stale`` steps back) describe other contexts and batches:
+    pricing a step against the planned one (`against`) leaves them out. With one point, the cost
+    model's curve through it; with none, the curve times 1."""
 
-    def __init__(self, model: StepCostModel, weight: float = 0.1, stale: int = 64):
+    KEEP = 9   # steps per bucket whose median is its point
+
+    def __init__(self, model: StepCostModel, stale: int = 64):
         self.model = model
-        self.weight = weight
         self.stale = stale
-        self.measured: dict[int, float] = {}   # bucket -> measured / model
-        self._when: dict[int, int] = {}
+        self.points: dict[int, list[float]] = {}   # bucket -> [median tokens, median seconds, last step]
+        self._recent: dict[int, deque] = {}
         self._steps = 0
-        self._ratio: float | None = None
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
-        b = _bucket(tokens)
-        old = self.measured.get(b)
-        ratio = seconds / self.model.token_cost(tokens)
         self._steps += 1
-        if old is None or self._steps - self._when[b] > self.stale:
-            self.measured[b] = ratio   # (a stale average is forgotten, not blended in)
-        else:
-            self.measured[b] = old + self.weight * (ratio - old)
-        self._when[b] = self._steps
-        self._ratio = None
-
-    def ratio(self) -> float:
-        if self._ratio is None:
-            r = sorted(self.measured.values())
-            self._ratio = r[len(r) // 2] if r else 1.0
-        return self._ratio
-
-    def _along_curve(self, bucket: int, tokens: int) -> float:
-        return self.measured[bucket] * self.model.token_cost(tokens)
+        b = _bucket(tokens)
+        recent = self._recent.get(b)
+        if recent is None or self._steps - self.points[b][2] > self.stale:   # (stale ones are forgotten)
+            recent = self._recent[b] = deque(maxlen=self.KEEP)
+        recent.append((tokens, seconds))
+        self.points[b] = [_median([t for t, _ in recent]), _median([sec for _, sec in recent]), self._steps]
 
     def __call__(self, tokens: int, against: int | None = None) -> float:
         """A step of `tokens`; `against`: the size it is compared with (the step as planned)."""
-        b = _bucket(tokens)
-        if b in self.measured and (against is None or self._steps - self._when[b] <= self.stale):
-            return self._along_curve(b, tokens)
-        a = None if against is None else _bucket(against)
-        if a in self.measured:
-            return self._along_curve(a, tokens)
-        return self.model.token_cost(tokens) * self.ratio()
+        return self.pricer(against)(tokens)
+
+    def pricer(self, against: int | None = None) -> Callable[[int], float]:
+        """Step sizes -> seconds, as of now (one step's many prices share the work)."""
+        pts = sorted((t, sec) for t, sec, when in self.points.values()
+                     if against is None or self._steps - when <= self.stale)
+        model = self.model
+        if not pts:
+            return model.token_cost
+        if len(pts) == 1:
+            (t0, s0), = pts
+            scale = s0 / model.token_cost(max(1, round(t0)))
+            return lambda tokens: scale * model.token_cost(tokens)
+        sizes = [t for t, _ in pts]
+
+        def price(tokens: int) -> float:
+            i = bisect.bisect_left(sizes, tokens)
+            if 0 < i < len(pts):   # between two points
+                (t1, s1), (t2, s2) = pts[i - 1], pts[i]
+                return s1 + max(0.0, s2 - s1) * (tokens - t1) / (t2 - t1)
+            # past an end: from it along the cost model's curve (a step's cost on a CPU is far from
+            # linear in its rows; a line through two close, noisy points would be worse)
+            t0, s0 = pts[-1] if i else pts[0]
+            return s0 * model.token_cost(tokens) / model.token_cost(max(1, round(t0)))
+
+        return price
 
 
 class Speculator:
     """Drafts per step for the scheduler (see the module docstring)."""
 
-    PRIOR_WEIGHT = 8.0     # the proposer's overall rate counts as this many drafts of a request's own
+    PRIOR_WEIGHT = 8.0     # the overall first-draft rate counts as this many verifications of a request's own
     PROBE_EVERY = 16       # a request not speculating tries one draft after this many steps ...
     PROBE_MAX = 512        # ... the wait doubling after each probe that is not taken up, to at most this
     MARGIN = 0.03          # drafts are taken only if they promise this much more work per second (the
                            # step times and rates are estimates: at break-even, noise would decide)
+    EXPLORE_EVERY = 20     # the guard: one step in this many runs the arm that looks worse ...
+    ARM_KEEP = 15          # ... which is judged by the median of its latest this many steps
 
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
         self.config = config
         self.proposer = config.proposer()
         self.times = StepTimes(cost or StepCostModel())
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self.rate = 0.5            # the proposer's acceptance rate per draft token, over all requests (EWMA)
-        # request id -> [accepted, proposed, steps since a draft, steps to wait before a probe]
+        # Acceptance, over all requests (EWMAs): of a verification's first draft, and of its j-th draft
+        # given the ones before it were accepted (cond[j], j >= 1; index 0 unused). Acceptances come in
+        # runs (a copied passage goes on), so cond runs well above rate, and a**j would undervalue
+        # long drafts.
+        self.rate = 0.5
+        self.cond = [0.8] * config.num_speculative_tokens   # (a run's next draft: a likelier guess)
+        # ... of a first draft by the length of the n-gram match that proposed it (where the proposer
+        # tells: a 1-token match guesses far worse than a 4-token one); unseen lengths take `rate`
+        self.rate_by_match: dict[int, float] = {}
+        # request id -> [first drafts accepted, verifications, steps since a draft, steps to wait before a
+        # probe, match length of its latest proposal]
         self._record: dict[str, list[float]] = {}
+        # The guard (``_arm``): per batch-size bucket, seconds per generated token of the latest decode
+        # steps that could speculate (on) and that could not (off), and the steps decided there.
+        self.arms: dict[tuple[int, bool], deque] = {}
+        self._decided: dict[int, int] = {}
+        self._step_arm: tuple[int, bool] | None = None
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Whether the request may speculate: it generates, and follows no grammar (the masks of the
-        positions after a draft would need the grammar advanced through it)."""
-        return req.params.pooling is None and req.grammar is None
+        """Whether the request may speculate: it generates (embeddings do not)."""
+        return req.params.pooling is None
 
-    def acceptance(self, rid: str) -> float:
-        acc, prop = self._record.get(rid, (0.0, 0.0))[:2]
-        return (acc + self.PRIOR_WEIGHT * self.rate) / (prop + self.PRIOR_WEIGHT)
+    def acceptance(self, rid: str, match: int = 0) -> float:
+        """P(the request's next first draft is accepted): its record shrunk toward the overall rate
+        for proposals from a match of this length."""
+        acc, tried = self._record.get(rid, (0.0, 0.0))[:2]
+        prior = self.rate_by_match.get(match, self.rate)
+        return (acc + self.PRIOR_WEIGHT * prior) / (tried + self.PRIOR_WEIGHT)
 
     def drafts(self, decodes: list[Request], other_tokens: int, budget: int) -> dict[str, list[int]]:
         """Drafts for this step's decodes (request id -> proposed tokens), at most `budget` draft
         tokens in all; `other_tokens`: the step's expected tokens besides the decodes."""
         cfg = self.config
+        self._step_arm = None
         budget = min(budget, cfg.num_speculative_tokens * len(decodes))
         if budget <= 0:
             return {}
-        proposals = {}
+        if cfg.adaptive and not self._arm(len(decodes), other_tokens):
+            return {}
+        proposals, matches = {}, {}
+        match_length = getattr(self.proposer, "match_length", None)
         for req in decodes:
             room = min(cfg.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1)
             if room > 0 and self.eligible(req):
                 tokens = self.proposer.propose(req, room)
+                if tokens and req.grammar is not None:   # structured outputs: what its grammar can take
+                    tokens = tokens[:req.grammar.validate_tokens(tokens)]
                 if tokens:
                     proposals[req.request_id] = tokens
+                    matches[req.request_id] = match_length(req) if match_length is not None else 0
         if not proposals:
             return {}
         if not cfg.adaptive:
@@ -210,16 +252,19 @@ class Speculator:
         # (gain of the j-th draft, request id, j): a request's gains fall with j, so best first keeps prefixes
         candidates = []
         for rid, tokens in proposals.items():
-            a = self.acceptance(rid)
-            candidates += [(a ** j, rid, j) for j in range(1, len(tokens) + 1)]
+            g = self.acceptance(rid, matches[rid])
+            for j in range(1, len(tokens) + 1):   # P(the first j drafts are all accepted)
+                candidates.append((g, rid, j))
+                g *= self.cond[j] if j < len(self.cond) else 0.0
         candidates.sort(key=lambda c: -c[0])
         candidates = candidates[:budget]
         # The best prefix of the candidates (the cost curve need not be convex: a longer prefix can
         # win after a shorter one lost).
-        best, best_n, gain = base / self.times(base) * (1 + self.MARGIN), 0, 0.0
+        price = self.times.pricer(against=base)
+        best, best_n, gain = base / price(base) * (1 + self.MARGIN), 0, 0.0
         for n, (g, _, _) in enumerate(candidates, 1):
             gain += g
-            value = (base + gain) / self.times(base + n, against=base)
+            value = (base + gain) / price(base + n)
             if value > best:
                 best, best_n = value, n
         take = {}
@@ -227,7 +272,8 @@ class Speculator:
             take[rid] = max(j, take.get(rid, 0))
         extra = best_n
         for rid in proposals:   # the ones left out: a single draft now and then, so their rate can recover
-            rec = self._record.setdefault(rid, [0.0, 0.0, 0, self.PROBE_EVERY])
+            rec = self._record.setdefault(rid, [0.0, 0.0, 0, self.PROBE_EVERY, 0])
+            rec[4] = matches[rid]
             if rid in take:
                 rec[2], rec[3] = 0, self.PROBE_EVERY
             else:
@@ -255,15 +301,46 @@ class Speculator:
         s.num_accepted_tokens += accepted
         for j in range(accepted):
             s.accepted_per_pos[j] += 1
-        rec = self._record.setdefault(rid, [0.0, 0.0, 0, self.PROBE_EVERY])
-        # Per draft token: accepted ones, plus the first refused one (the ones after it were never tested).
-        tested = min(proposed, accepted + 1)
-        rec[0] += accepted
-        rec[1] += tested
-        self.rate += 0.05 * (accepted / tested - self.rate) if tested else 0.0
+        if proposed <= 0:
+            return
+        rec = self._record.setdefault(rid, [0.0, 0.0, 0, self.PROBE_EVERY, 0])
+        rec[0] += accepted > 0
+        rec[1] += 1
+        self.rate += 0.05 * ((accepted > 0) - self.rate)
+        by_match = self.rate_by_match.get(rec[4], self.rate)
+        self.rate_by_match[rec[4]] = by_match + 0.05 * ((accepted > 0) - by_match)
+        # drafts 2.. that were tested: those up to the first refused one
+        for j in range(1, min(proposed, accepted + 1)):
+            self.cond[j] += 0.05 * ((j < accepted) - self.cond[j])
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def _arm(self, batch: int, other_tokens: int) -> bool:
+        """The guard on the cost model: whether this step may speculate. For a decode-only step, the
+        arm (speculating or not) with fewer seconds per generated token (the median of its latest
+        steps) at this batch size (bucket), the other one every EXPLORE_EVERY-th step there, and each
+        until it has 5 steps. So
+        whatever the estimates say, speculation that measures slower than none is soon left off, at
+        the cost of one step in EXPLORE_EVERY."""
+        if other_tokens:   # (steps with prefill chunks are not measured: the cost model decides)
+            return True
+        b = _bucket(batch)
+        on = self.arms.setdefault((b, True), deque(maxlen=self.ARM_KEEP))
+        off = self.arms.setdefault((b, False), deque(maxlen=self.ARM_KEEP))
+        n = self._decided[b] = self._decided.get(b, 0) + 1
+        if len(on) < 5 or len(off) < 5:
+            arm = len(on) <= len(off)
+        else:
+            better = _median(on) <= _median(off)
+            arm = better if n % self.EXPLORE_EVERY else not better
+        self._step_arm = (b, arm)
+        return arm
+
+    def observe_step(self, tokens: int, seconds: float, generated: int = 0) -> None:
+        """A decode-only step of `tokens` tokens took `seconds` (the whole step: planning, the forward
+        pass, the update) and generated `generated` tokens."""
         self.times.observe(tokens, seconds)
+        arm, self._step_arm = self._step_arm, None
+        if arm is not None and generated > 0 and seconds > 0:
+            self.arms[arm].append(seconds / generated)
 
     def finished(self, req: Request) -> None:
         self._record.pop(req.request_id, None)

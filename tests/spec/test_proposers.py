@@ -36,25 +36,30 @@ def ref_matches(seq: list[int], suffix: list[int], k: int) -> list[int] | None:
 
 
 def ref_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    return ref_ngram_match(tokens, k, min_n, max_n)[1]
+
+
+def ref_ngram_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """(n, proposal) of the longest match in the request's own tokens; (0, []) if none."""
     if k <= 0:
-        return []
+        return 0, []
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         found = ref_matches(tokens, tokens[len(tokens) - n:], k)
         if found is not None:
-            return found
-    return []
+            return n, found
+    return 0, []
 
 
 def ref_cross(cached: list[tuple[str | None, list[int]]], salt: str | None, tokens: list[int], k: int,
-              min_n: int, max_n: int) -> list[int]:
+              min_n: int, max_n: int) -> tuple[int, list[int]]:
     """Longest suffix first; among the sequences of the same salt, the most recently finished first."""
     if k <= 0:
-        return []
+        return 0, []
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         for s, seq in reversed(cached):
             if s == salt and (found := ref_matches(seq, tokens[len(tokens) - n:], k)) is not None:
-                return found
-    return []
+                return n, found
+    return 0, []
 
 
 n_range_st = st.tuples(st.integers(1, 4), st.integers(0, 4)).map(lambda t: (t[0], t[0] + t[1]))
@@ -126,12 +131,15 @@ def test_a_call_after_one_appended_token_reads_O_max_n_plus_k_tokens(proposer):
     assert req.spec_state is None
 
 
-def test_the_suffix_proposer_prefers_the_requests_own_tokens():
+def test_the_suffix_proposer_takes_the_longer_match_its_own_on_a_tie():
     p = SuffixProposer(max_n=4)
     finish(p, [1, 2, 3, 9, 9, 9])
     req = make_request([1, 2, 3, 4, 5, 1, 2, 3])
-    assert p.propose(req, 3) == [4, 5, 1]   # the request's own match, although the cache has a longer one
+    assert p.propose(req, 3) == [4, 5, 1]   # a tie (3 tokens each): the request's own match
+    assert p.match_length(req) == 3
     assert p.propose(make_request([7, 1, 2, 3]), 3) == [9, 9, 9]   # nothing of its own: the cache
+    req = make_request([3, 8, 2, 1, 2, 3])   # its own match is "3" (1 token), the cache's "1 2 3"
+    assert p.propose(req, 2) == [9, 9] and p.match_length(req) == 3
 
 
 def test_cross_request_proposals_stay_within_a_cache_salt():
@@ -215,7 +223,8 @@ def test_suffix_matches_the_reference(ops, n_range, max_requests, max_tokens):
                 cached.append((salt, tokens))
         else:
             _, salt, tokens, k = op
-            want = ref_ngram(tokens, k, min_n, max_n) or ref_cross(cached, salt, tokens, k, min_n, max_n)
+            own, other = ref_ngram_match(tokens, k, min_n, max_n), ref_cross(cached, salt, tokens, k, min_n, max_n)
+            want = other[1] if other[0] > own[0] else own[1]   # the longer match; its own on a tie
             assert p.propose(make_request(tokens, salt), k) == want
         s = p.stats()
         assert (s["cached_requests"], s["cached_tokens"]) == (len(cached), sum(len(t) for _, t in cached))

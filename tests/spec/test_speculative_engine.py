@@ -165,3 +165,33 @@ def test_suffix_method_draws_on_earlier_outputs(base):
     assert tokens(first) == tokens(second) == tokens(base.generate(prompt, params))
     assert drafted > 0 and accepted >= 0.8 * drafted
     llm.close()
+
+
+LIST_SCHEMA = {"type": "array", "minItems": 3, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "color": {"type": "string", "enum": ["red", "green", "blue"]}},
+    "required": ["name", "color"], "additionalProperties": False}}
+
+
+def test_structured_outputs_speculate_within_their_grammar(base, spec):
+    """Drafts of a constrained request are cut to what its grammar takes; each position is masked by
+    the grammar advanced through the drafts before it; the output is exactly what it was (greedy and
+    seeded), and valid. A JSON list repeats its keys: drafts are accepted."""
+    import json
+
+    import jsonschema
+
+    before = spec.engine.core.scheduler.speculator.stats.num_accepted_tokens
+    cases = [SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": LIST_SCHEMA}),
+             SamplingParams(temperature=0.7, seed=5, max_tokens=120, structured_outputs={"json": LIST_SCHEMA}),
+             SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": r"(red|blue)( red| blue){3,8}\."})]
+    prompts = ["List three fruits with their colors as JSON:", PROMPTS[0]]
+    for params in cases:
+        want = base.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        assert tokens(got) == tokens(want)
+        for o in got:
+            assert o.outputs[0].finish_reason == "stop"
+            if "json" in params.structured_outputs.kind:
+                jsonschema.validate(json.loads(o.outputs[0].text), LIST_SCHEMA)
+    assert spec.engine.core.scheduler.speculator.stats.num_accepted_tokens > before

@@ -71,17 +71,20 @@ def test_other_work_in_the_step_counts():
     assert spec.drafts(requests(2), 200, budget=100) == {}
 
 
-def test_step_times_scale_within_a_bucket_and_forget_stale_ones():
+def test_step_times_are_a_line_through_what_was_measured():
     times = StepTimes(LINEAR, stale=4)
-    times.observe(9, 0.018)    # twice the model's 9 ms, in bucket 8
-    assert times(8) == pytest.approx(0.016) and times(9) == pytest.approx(0.018)   # along the curve
-    assert times(4) == pytest.approx(0.008)   # never measured: the curve times the measured ratio (2)
-    times.observe(16, 0.048)   # three times the model
+    assert times(8) == pytest.approx(0.008)   # nothing measured: the cost model's curve
+    times.observe(4, 0.010)
+    assert times(8) == pytest.approx(0.020)   # one point: the curve through it
+    times.observe(8, 0.014)
+    assert times(6) == pytest.approx(0.012)   # between the points
+    assert times(12) == pytest.approx(0.021)  # past them: from the last, along the cost model's curve
+    times.observe(16, 0.100)                  # an expensive size...
     for _ in range(5):
-        times.observe(8, 0.016)
-    # bucket 16 was measured 5 steps ago (stale): priced against a step of 8, it follows bucket 8's ratio
-    assert times(16, against=8) == pytest.approx(0.032)
-    assert times(16) == pytest.approx(0.048)
+        times.observe(8, 0.014)
+    assert times(16) == pytest.approx(0.100)
+    # ...measured 5 steps ago (stale): priced against a step of 8, only what is fresh counts
+    assert times(16, against=8) == pytest.approx(0.028)
 
 
 def test_config_parse_and_errors():
@@ -93,3 +96,29 @@ def test_config_parse_and_errors():
         SpeculativeConfig.parse({"num_spec_tokens": 3})
     with pytest.raises(ValueError, match="not JSON"):
         SpeculativeConfig.parse("{method: ngram}")
+
+
+def test_the_guard_leaves_speculation_off_where_it_measures_slower():
+    """Whatever the cost model says, decode steps that speculated and measured more seconds per
+    generated token than steps that did not soon stop: the other arm runs one step in EXPLORE_EVERY."""
+    spec = speculator(FLAT)
+    spec.rate = 0.9   # the model would draft all it can
+    (req,) = requests(1)
+    on_steps = 0
+    for _ in range(200):
+        drafted = bool(spec.drafts([req], 0, budget=100))
+        on = spec._step_arm[1]
+        on_steps += on
+        assert drafted <= on
+        spec.observe_step(1 + 5 * drafted, 0.020 if on else 0.010, 1)   # speculating: twice as slow a token
+    assert on_steps <= 5 + 200 // spec.EXPLORE_EVERY + 1
+    # and the other way round: where speculating measures faster, it stays on
+    spec = speculator(FLAT)
+    spec.rate = 0.9
+    on_steps = 0
+    for _ in range(200):
+        spec.drafts([req], 0, budget=100)
+        on = spec._step_arm[1]
+        on_steps += on
+        spec.observe_step(6 if on else 1, 0.012 if on else 0.010, 4 if on else 1)
+    assert on_steps >= 200 - 5 - 200 // spec.EXPLORE_EVERY - 1
