@@ -184,8 +184,9 @@ class Speculator:
     PROBE_MAX = 512        # ... the wait doubling after each probe that is not taken up, to at most this
     MARGIN = 0.03          # drafts are taken only if they promise this much more work per second (the
                            # step times and rates are estimates: at break-even, noise would decide)
-    EXPLORE_EVERY = 20     # the guard: one step in this many runs the arm that looks worse ...
-    ARM_KEEP = 15          # ... which is judged by the median of its latest this many steps
+    EXPLORE_EVERY = 20     # the guard: a step after this many runs the arm that looks worse, the wait
+    EXPLORE_MAX = 640      # doubling while that arm stays worse, to at most this ...
+    ARM_KEEP = 15          # ... each arm judged by the median of its latest this many steps
 
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
         self.config = config
@@ -207,7 +208,7 @@ class Speculator:
         # The guard (``_arm``): per batch-size bucket, seconds per generated token of the latest decode
         # steps that could speculate (on) and that could not (off), and the steps decided there.
         self.arms: dict[tuple[int, bool], deque] = {}
-        self._decided: dict[int, int] = {}
+        self._decided: dict[int, list] = {}   # bucket -> [steps decided, next exploring step, wait, last best]
         self._step_arm: tuple[int, bool] | None = None
 
     @staticmethod
@@ -316,21 +317,27 @@ class Speculator:
     def _arm(self, batch: int, other_tokens: int) -> bool:
         """The guard on the cost model: whether this step may speculate. For a decode-only step, the
         arm (speculating or not) with fewer seconds per generated token (the median of its latest
-        steps) at this batch size (bucket), the other one every EXPLORE_EVERY-th step there, and each
-        until it has 5 steps. So
-        whatever the estimates say, speculation that measures slower than none is soon left off, at
-        the cost of one step in EXPLORE_EVERY."""
+        steps) at this batch size (bucket), and each until it has 5 steps. The other arm runs a step
+        after EXPLORE_EVERY steps there, the wait doubling while it stays worse (up to EXPLORE_MAX):
+        whatever the estimates say, speculation that measures slower than none is soon left off, and
+        checking that it still is costs ever less."""
         if other_tokens:   # (steps with prefill chunks are not measured: the cost model decides)
             return True
         b = _bucket(batch)
         on = self.arms.setdefault((b, True), deque(maxlen=self.ARM_KEEP))
         off = self.arms.setdefault((b, False), deque(maxlen=self.ARM_KEEP))
-        n = self._decided[b] = self._decided.get(b, 0) + 1
+        d = self._decided.setdefault(b, [0, self.EXPLORE_EVERY, self.EXPLORE_EVERY, None])
+        d[0] += 1
         if len(on) < 5 or len(off) < 5:
             arm = len(on) <= len(off)
         else:
             better = _median(on) <= _median(off)
-            arm = better if n % self.EXPLORE_EVERY else not better
+            if better != d[3]:   # the other arm became the better one: explore often again
+                d[1], d[2], d[3] = d[0] + self.EXPLORE_EVERY, self.EXPLORE_EVERY, better
+            arm = better
+            if d[0] >= d[1]:   # explore the worse arm, then wait twice as long
+                arm, d[2] = not better, min(2 * d[2], self.EXPLORE_MAX)
+                d[1] = d[0] + d[2]
         self._step_arm = (b, arm)
         return arm
 
