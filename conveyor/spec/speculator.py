@@ -184,9 +184,10 @@ class Speculator:
     PROBE_MAX = 512        # ... the wait doubling after each probe that is not taken up, to at most this
     MARGIN = 0.03          # drafts are taken only if they promise this much more work per second (the
                            # step times and rates are estimates: at break-even, noise would decide)
-    EXPLORE_EVERY = 20     # the guard: a step after this many runs the arm that looks worse, the wait
-    EXPLORE_MAX = 640      # doubling while that arm stays worse, to at most this ...
-    ARM_KEEP = 15          # ... each arm judged by the median of its latest this many steps
+    EXPLORE_EVERY = 20     # the guard: after this many steps the arm that looks worse runs EXPLORE_STEPS
+    EXPLORE_STEPS = 5      # steps in a row, the wait doubling while it stays worse,
+    EXPLORE_MAX = 640      # to at most this ...
+    ARM_KEEP = 9           # ... each arm judged by the median of its latest this many steps
 
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel | None = None):
         self.config = config
@@ -208,7 +209,8 @@ class Speculator:
         # The guard (``_arm``): per batch-size bucket, seconds per generated token of the latest decode
         # steps that could speculate (on) and that could not (off), and the steps decided there.
         self.arms: dict[tuple[int, bool], deque] = {}
-        self._decided: dict[int, list] = {}   # bucket -> [steps decided, next exploring step, wait, last best]
+        # bucket -> [steps decided, next exploring step, wait, last best arm, exploring steps left]
+        self._decided: dict[int, list] = {}
         self._step_arm: tuple[int, bool] | None = None
 
     @staticmethod
@@ -317,8 +319,9 @@ class Speculator:
     def _arm(self, batch: int, other_tokens: int) -> bool:
         """The guard on the cost model: whether this step may speculate. For a decode-only step, the
         arm (speculating or not) with fewer seconds per generated token (the median of its latest
-        steps) at this batch size (bucket), and each until it has 5 steps. The other arm runs a step
-        after EXPLORE_EVERY steps there, the wait doubling while it stays worse (up to EXPLORE_MAX):
+        steps) at this batch size (bucket), and each until it has 5 steps. The other arm runs
+        EXPLORE_STEPS steps in a row (enough to move its median) after EXPLORE_EVERY steps there, the
+        wait doubling while it stays worse (up to EXPLORE_MAX):
         whatever the estimates say, speculation that measures slower than none is soon left off, and
         checking that it still is costs ever less."""
         if other_tokens:   # (steps with prefill chunks are not measured: the cost model decides)
@@ -326,18 +329,21 @@ class Speculator:
         b = _bucket(batch)
         on = self.arms.setdefault((b, True), deque(maxlen=self.ARM_KEEP))
         off = self.arms.setdefault((b, False), deque(maxlen=self.ARM_KEEP))
-        d = self._decided.setdefault(b, [0, self.EXPLORE_EVERY, self.EXPLORE_EVERY, None])
+        d = self._decided.setdefault(b, [0, self.EXPLORE_EVERY, self.EXPLORE_EVERY, None, 0])
         d[0] += 1
         if len(on) < 5 or len(off) < 5:
             arm = len(on) <= len(off)
         else:
             better = _median(on) <= _median(off)
             if better != d[3]:   # the other arm became the better one: explore often again
-                d[1], d[2], d[3] = d[0] + self.EXPLORE_EVERY, self.EXPLORE_EVERY, better
+                d[1], d[2], d[3], d[4] = d[0] + self.EXPLORE_EVERY, self.EXPLORE_EVERY, better, 0
             arm = better
-            if d[0] >= d[1]:   # explore the worse arm, then wait twice as long
-                arm, d[2] = not better, min(2 * d[2], self.EXPLORE_MAX)
-                d[1] = d[0] + d[2]
+            if d[0] >= d[1] and not d[4]:   # time to explore the worse arm: a few steps in a row
+                d[4] = self.EXPLORE_STEPS
+                d[2] = min(2 * d[2], self.EXPLORE_MAX)
+                d[1] = d[0] + self.EXPLORE_STEPS + d[2]
+            if d[4]:
+                arm, d[4] = not better, d[4] - 1
         self._step_arm = (b, arm)
         return arm
 

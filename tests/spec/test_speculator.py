@@ -111,7 +111,7 @@ def test_the_guard_leaves_speculation_off_where_it_measures_slower():
         on_steps += on
         assert drafted <= on
         spec.observe_step(1 + 5 * drafted, 0.020 if on else 0.010, 1)   # speculating: twice as slow a token
-    assert on_steps <= 5 + 200 // spec.EXPLORE_EVERY + 1
+    assert on_steps <= 5 + spec.EXPLORE_STEPS * 3   # explorations after 20, 40, 80 ... steps
     # and the other way round: where speculating measures faster, it stays on
     spec = speculator(FLAT)
     spec.rate = 0.9
@@ -121,4 +121,4 @@ def test_the_guard_leaves_speculation_off_where_it_measures_slower():
         on = spec._step_arm[1]
         on_steps += on
         spec.observe_step(6 if on else 1, 0.012 if on else 0.010, 4 if on else 1)
-    assert on_steps >= 200 - 5 - 200 // spec.EXPLORE_EVERY - 1
+    assert on_steps >= 200 - 5 - spec.EXPLORE_STEPS * 3
