@@ -321,7 +321,7 @@ def _step_tokens(plan: SchedulerOutput, model_out: ModelOutput) -> dict[str, lis
         token = model_out.sampled.get(s.request_id)
         if token is not None:
             a = accepted.get(s.request_id, 0)
-            out[s.request_id] = s.token_ids[s.num_tokens - s.num_drafts:][:a] + [token]
+            out[s.request_id] = s.draft_token_ids[:a] + [token]
     return out
 
 

@@ -136,7 +136,7 @@ class ModelRunner:
         ids, rows, drafts = [], [], []
         for s in seqs:
             row = self.state.row(s.request_id)
-            proposed = s.token_ids[len(s.token_ids) - s.num_drafts:]
+            proposed = s.draft_token_ids
             history = row.output_token_ids
             for j in range(1 + s.num_drafts):
                 ids.append(s.request_id)

@@ -83,7 +83,7 @@ class RunnerState:
                 _took_sample(state.sampling, seq.token_ids[0])
         state.pending_sample = seq.sample
         state.num_computed_tokens = seq.num_computed_tokens + seq.num_tokens
-        state.drafts = seq.token_ids[seq.num_tokens - seq.num_drafts:] if seq.num_drafts else None
+        state.drafts = seq.draft_token_ids if seq.num_drafts else None
 
     def accept(self, request_id: str, accepted: int) -> None:
         """Speculative decoding: of the latest step's drafts, the first `accepted` were verified

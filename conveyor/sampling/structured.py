@@ -168,13 +168,13 @@ class GrammarBackend:
         for s in plan.scheduled:
             request = requests.get(s.request_id) if s.sample else None
             if request is not None and request.grammar is not None:
-                proposed = s.token_ids[s.num_tokens - s.num_drafts:] if s.num_drafts else []
+                proposed = s.draft_token_ids
                 ids += [s.request_id] * (1 + len(proposed))
                 matchers.append(request.grammar)
                 drafts.append(proposed)
         if matchers:
             plan.grammar_ids = ids
-            plan.grammar_bitmask = self.fill_bitmasks(matchers, drafts if any(drafts) else None)
+            plan.grammar_bitmask = self.fill_bitmasks(matchers, drafts)
 
     @staticmethod
     def accept(tokens: dict[str, list[int]], requests: dict) -> None:
@@ -205,22 +205,19 @@ class GrammarBackend:
         matcher: its mask now and after each of its drafts (the matcher is left as it was)."""
         import torch   # lazy: keeps torch out of the torch-free units
 
-        if drafts is None:
-            mask = torch.empty((len(matchers), self.mask_words), dtype=torch.int32)
-            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
-                                                   self.mask_words * 4, len(matchers))
-        else:
-            rows = sum(1 + len(d) for d in drafts)
-            mask = torch.empty((rows, self.mask_words), dtype=torch.int32)
-            plain, drafted, row = [], [], 0
-            for m, d in zip(matchers, drafts):
-                if d:
-                    drafted.append((m, row, list(d)))
-                else:
-                    plain.append((m, row))
-                row += 1 + len(d)
-            if plain:
-                self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.mask_words * 4, rows)
+        drafts = drafts or [[]] * len(matchers)
+        rows = sum(1 + len(d) for d in drafts)
+        mask = torch.empty((rows, self.mask_words), dtype=torch.int32)
+        plain, drafted, row = [], [], 0
+        for m, d in zip(matchers, drafts):
+            if d:   # (llguidance's draft call takes only non-empty drafts)
+                drafted.append((m, row, list(d)))
+            else:
+                plain.append((m, row))
+            row += 1 + len(d)
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.mask_words * 4, rows)
+        if drafted:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, mask.data_ptr(), self.mask_words * 4,
                                                                     rows)
         empty = (mask == 0).all(dim=1).nonzero().flatten().tolist()

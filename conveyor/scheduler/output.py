@@ -61,6 +61,11 @@ class ScheduledSeq:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The proposed tokens at the end of token_ids (empty without speculation)."""
+        return self.token_ids[len(self.token_ids) - self.num_drafts:]
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

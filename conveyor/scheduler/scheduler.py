@@ -669,9 +669,8 @@ class Scheduler:
         assert 0 <= accepted <= k, (s.request_id, accepted, k)
         if self.speculator is not None:
             self.speculator.observe(s.request_id, k, accepted)
-        drafts = s.token_ids[s.num_tokens - k:]
         emitted, verdict = 0, None
-        for token in drafts[:accepted] + [model_out.sampled[s.request_id]]:
+        for token in s.draft_token_ids[:accepted] + [model_out.sampled[s.request_id]]:
             req.append_token(token, now, timed=not emitted)
             emitted += 1
             verdict = finish_verdict(req, token)

@@ -30,9 +30,10 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.request import Request
@@ -87,9 +88,6 @@ class SpeculativeConfig:
                              max_cached_requests=self.suffix_cache_requests,
                              max_cached_tokens=self.suffix_cache_tokens)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass(slots=True)
 class SpecStats:
@@ -100,11 +98,6 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-
-
-def _median(values) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 def _bucket(tokens: int) -> int:
@@ -144,7 +137,8 @@ class StepTimes:
         if recent is None or self._steps - self.points[b][2] > self.stale:   # (stale ones are forgotten)
             recent = self._recent[b] = deque(maxlen=self.KEEP)
         recent.append((tokens, seconds))
-        self.points[b] = [_median([t for t, _ in recent]), _median([sec for _, sec in recent]), self._steps]
+        self.points[b] = [statistics.median(t for t, _ in recent), statistics.median(sec for _, sec in recent),
+                          self._steps]
 
     def __call__(self, tokens: int, against: int | None = None) -> float:
         """A step of `tokens`; `against`: the size it is compared with (the step as planned)."""
@@ -334,7 +328,7 @@ class Speculator:
         if len(on) < 5 or len(off) < 5:
             arm = len(on) <= len(off)
         else:
-            better = _median(on) <= _median(off)
+            better = statistics.median(on) <= statistics.median(off)
             if better != d[3]:   # the other arm became the better one: explore often again
                 d[1], d[2], d[3], d[4] = d[0] + self.EXPLORE_EVERY, self.EXPLORE_EVERY, better, 0
             arm = better
