@@ -110,13 +110,9 @@ class EngineStats:
         counters.update({f.name: getattr(core, f.name) for f in fields(core)})
         counters.update(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                         num_swapped=len(scheduler.swapped))
-        if scheduler.num_followers == 0:   # one sequence per request: counts, no set per step
-            running, live = len(scheduler.running), len(scheduler.requests)
-        else:
-            running = _request_count(scheduler.running)
-            live = running if len(scheduler.requests) == len(scheduler.running) else \
-                _request_count(scheduler.requests.values())   # some are queued
-        return cls(**counters, num_running_requests=running, num_waiting_requests=live - running,
+        requests = scheduler.counts   # kept as sequences come and go: O(1) here
+        return cls(**counters, num_running_requests=requests.running,
+                   num_waiting_requests=requests.live - requests.running,
                    kv_usage=kv.usage, block_size=kv.block_size, num_host_kv_blocks=kv.num_host_blocks,
                    num_kv_blocks=kv.num_blocks,
                    num_free_kv_blocks=kv.num_free_blocks, prefix_cache_queries=pool.prefix_queries,
@@ -174,10 +170,3 @@ def _spec_counters(speculator) -> dict[str, Any]:
     st = speculator.stats
     return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
             "spec_num_accepted_tokens": st.num_accepted_tokens, "spec_accepted_per_pos": tuple(st.accepted_per_pos)}
-
-
-def _request_count(seqs) -> int:
-    """Requests among these live sequences: an n > 1 request's siblings share their first sequence
-    (``prefill_leader``), so they count once. A request with any sequence running is running; the
-    others are queued (``live - running``)."""
-    return len({id(s.prefill_leader or s) for s in seqs})

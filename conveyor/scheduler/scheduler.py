@@ -27,6 +27,7 @@ from conveyor.scheduler.pooling import chunk_pooling as pooling_of_chunk
 from conveyor.scheduler.prompt_logprobs import chunk_targets as prompt_targets
 from conveyor.scheduler.prompt_logprobs import reset as reset_prompt_logprobs
 from conveyor.scheduler.queue import WaitQueue
+from conveyor.scheduler.request_counts import RequestCounts
 from conveyor.scheduler.stopping import finish_verdict
 
 
@@ -78,7 +79,7 @@ class Scheduler:
         self.swapped: list[Request] = []    # the swapped ones (also in the queue)
         self._reserved: int | None = None
         self.requests: dict[str, Request] = {}
-        self.num_followers = 0   # live sequences with a prefill_leader (the 2nd.. of an n > 1 request)
+        self.counts = RequestCounts()   # requests (an n > 1 request once) live and running
         self.deadlines = DeadlineHeap(self.requests)   # queue deadlines (deadlines.py)
         self.stats = SchedulerStats()
         self._arrivals = 0
@@ -108,7 +109,7 @@ class Scheduler:
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.num_followers += request.prefill_leader is not None
+        self.counts.added(request)
         self.waiting.push(request)
         self.deadlines.push(request, self.config.max_queue_time)
 
@@ -118,6 +119,7 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self.counts.stopped(request)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request.status == RequestStatus.WAITING:
@@ -129,7 +131,7 @@ class Scheduler:
         if self.speculator is not None:
             self.speculator.finished(request)
         if self.requests.pop(request.request_id, None) is not None:
-            self.num_followers -= request.prefill_leader is not None
+            self.counts.removed(request)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             if request.params.pooling is None:   # an embedding's zero output says nothing of generation lengths
                 self.admission.observe(request)
@@ -480,6 +482,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
+        self.counts.stopped(victim)
         self._reserved = None
         choice = victim_cost(self.config.preemption_mode, victim, self.kv, self.costs)
         if victim.resumed_step == self.step and victim.swapped_in_step == self.step:
@@ -551,6 +554,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.resumed_step = self.step
         self.running.append(req)
+        self.counts.started(req)
         self._reserved = None
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = self.clock()
@@ -570,8 +574,9 @@ class Scheduler:
                            sample=c + n == req.num_tokens and pooling is None)
         self._send_state(req, seq)
         seq.pooling, seq.pool_end = pooling_of_chunk(req, c, n)
-        seq.prompt_targets = prompt_targets(req, c, n)
-        if seq.prompt_targets is not None:
+        targets = prompt_targets(req, c, n)
+        if targets is not None:
+            seq.prompt_targets_row, seq.prompt_targets = targets
             seq.prompt_logprobs = req.params.prompt_logprobs
         out.scheduled.append(seq)
         if self._is_decode(req, n):

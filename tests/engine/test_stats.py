@@ -34,14 +34,14 @@ def test_a_snapshot_is_frozen_and_pickles():
 
 def test_requests_are_counted_once_whatever_their_sequences(make_engine):
     """vLLM's running/waiting gauges count requests: an n = 3 request is one, while its sequences
-    are three; requests of one sequence are counted without a set per step (O(1))."""
+    are three; the counts are kept as sequences come and go (O(1) per step)."""
     from conveyor import SamplingParams
 
     engine = make_engine(max_num_seqs=4)
     for i in range(3):
         engine.add_request([5 + i] * 6, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.add_request([9] * 6, SamplingParams(temperature=1.0, n=3, max_tokens=8, ignore_eos=True, seed=1))
-    assert engine.core.scheduler.num_followers == 2
+    assert engine.core.scheduler.counts.live == 4 and len(engine.core.scheduler.requests) == 6
     s = engine.stats()
     assert (s.num_running_requests, s.num_waiting_requests, s.num_waiting) == (0, 4, 6)
     engine.step()
@@ -50,7 +50,7 @@ def test_requests_are_counted_once_whatever_their_sequences(make_engine):
     while engine.has_unfinished_requests():
         engine.step()
     s = engine.stats()
-    assert engine.core.scheduler.num_followers == 0
+    assert engine.core.scheduler.counts.live == 0
     assert (s.num_running_requests, s.num_waiting_requests, s.num_running, s.num_waiting) == (0, 0, 0, 0)
 
 

@@ -382,6 +382,10 @@ class Sim:
         assert len(set(host_used)) == len(host_used) and not set(host_used) & set(kv.host.free_ids)
         running, swapped = set(map(id, sched.running)), set(map(id, sched.swapped))
         assert len(running) == len(sched.running) and len(swapped) == len(sched.swapped)
+        # requests (an n > 1 request once, by its leader), kept incrementally, equal a count from scratch
+        group = lambda r: (r.prefill_leader or r).request_id   # noqa: E731
+        assert sched.counts.live == len({group(r) for r in sched.requests.values()})
+        assert sched.counts.running == len({group(r) for r in sched.running})
         assert len(sched.running) <= self.config.max_num_seqs
         n_waiting = 0
         for rid, r in self.all.items():
