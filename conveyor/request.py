@@ -104,7 +104,23 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(self.arrival_time)
         if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]   # the first prompt token has no logprob
+            self.prompt_logprobs = first_prompt_logprobs(self)
+
+    @property
+    def cacheable_prefix(self) -> int | None:
+        """Leading tokens whose KV may come from the prefix cache (None: any). Mean pooling needs every
+        prompt row computed; a prompt logprob still wanted, the logits of the position before it."""
+        if self.params.pooling == "mean":
+            return 0
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            return self.prompt_logprobs_from - 1
+        return None
+
+    @property
+    def prompt_logprobs_from(self) -> int:
+        """The first prompt token with a logprob (the first token has none; prompt_logprobs_last: fewer)."""
+        last = self.params.prompt_logprobs_last
+        return 1 if last is None else max(1, self.num_prompt_tokens - last)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,3 +166,8 @@ class Request:
         self.finish_reason = status.value
         self.stop_reason = reason
         self.metrics.finished_time = now
+
+
+def first_prompt_logprobs(req: Request) -> list:
+    """A prompt-logprob list before any chunk ran: None for every token without a logprob wanted."""
+    return [None] * min(req.prompt_logprobs_from, req.num_prompt_tokens)

@@ -138,10 +138,6 @@ class KVCacheManager:
         return self.pool.stats
 
     # ---- prefix cache --------------------------------------------------------------------
-    def reads_prefix_cache(self, request: Request) -> bool:
-        """Prompt logprobs and mean pooling need every prompt token computed, not cached."""
-        return self.prefix.reads(request)
-
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Cached blocks matching the longest prefix of the request's tokens in every group
         (PrefixCache.find); at least one token is always left to compute."""
@@ -175,7 +171,9 @@ class KVCacheManager:
             if any(blocks[table[i + g]].ref_count < 2 or blocks[table[i + g]].block_hash is None for g in whole):
                 break
             n += 1
-        return min(n * self.block_size, max(0, request.num_tokens - 1))
+        limit = request.cacheable_prefix
+        shared = min(n * self.block_size, max(0, request.num_tokens - 1))
+        return shared if limit is None else min(shared, limit // self.block_size * self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix that no request holds; True if nothing is cached any more

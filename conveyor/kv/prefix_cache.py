@@ -96,9 +96,8 @@ class PrefixCache:
         self.group_hits = [0] * len(kinds)           # per group: blocks it alone could have supplied
 
     def reads(self, request: Request) -> bool:
-        """Prompt logprobs and mean pooling need every prompt token computed, not cached."""
-        p = request.params
-        return self.pool.enable_caching and p.prompt_logprobs is None and p.pooling != "mean"
+        """Whether any of the request's tokens may come from the cache (Request.cacheable_prefix)."""
+        return self.pool.enable_caching and request.cacheable_prefix != 0
 
     def block_keys(self, request: Request, upto_tokens: int) -> BlockKeys:
         """Keys and contents of the request's full blocks within (at least) its first upto_tokens tokens."""
@@ -119,6 +118,8 @@ class PrefixCache:
         if not self.reads(request):
             return NO_PREFIX
         n = (request.num_tokens - 1) // self.block_size
+        if request.cacheable_prefix is not None:
+            n = min(n, request.cacheable_prefix // self.block_size)
         keys = self.block_keys(request, n * self.block_size)
         lookups = [kind.lookup(self.pool, keys, n) for kind in self.kinds]
         hits = [lookup.hits for lookup in lookups]

@@ -181,8 +181,8 @@ class ModelRunner:
         inputs = build_inputs(work, self.block_size, self.device, self.model.attn_backend.max_decode_groups,
                               self.layout, self.null_block)
         indices = inputs.logits_indices
-        extra = [inputs.starts[i] + j for i, s in enumerate(plan.scheduled) if s.prompt_targets
-                 for j in range(len(s.prompt_targets))]
+        extra = [inputs.starts[i] + s.prompt_targets_row + j for i, s in enumerate(plan.scheduled)
+                 if s.prompt_targets for j in range(len(s.prompt_targets))]
         if extra:   # prompt logprobs: the logits of the rows whose next token is a prompt token too
             indices = torch.cat([indices, torch.tensor(extra, dtype=indices.dtype, device=indices.device)])
         hidden = [r for i, s in enumerate(plan.scheduled) if s.pooling is not None

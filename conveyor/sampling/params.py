@@ -58,9 +58,12 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
-    # Logprobs of the prompt's tokens (the first has none) with this many top alternatives each;
-    # such a request does not read the prefix cache (every prompt token's logits are computed).
+    # Logprobs of the prompt's tokens (the first has none) with this many top alternatives each.
     prompt_logprobs: int | None = None
+    # ... of only the prompt's last this many tokens (None: all; the earlier entries are None). Only
+    # the positions before those may come from the prefix cache: each wanted logprob needs the
+    # logits of the position before it (scoring asks for the query after a shared document).
+    prompt_logprobs_last: int | None = None
     # Embedding instead of generation: the prompt's final hidden states pooled ("mean" over its
     # tokens, or the "last" token's) and L2-normalised; nothing is generated.
     pooling: str | None = None
@@ -159,6 +162,10 @@ class SamplingParams:
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs <= _MAX_LOGPROBS),
               "prompt_logprobs", f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        check(self.prompt_logprobs_last is None or (_is_int(self.prompt_logprobs_last)
+                                                    and self.prompt_logprobs_last >= 1),
+              "prompt_logprobs_last",
+              f"prompt_logprobs_last must be an integer >= 1, got {self.prompt_logprobs_last!r}")
         check(self.max_queue_time is None or (_is_real(self.max_queue_time) and self.max_queue_time > 0),
               "max_queue_time", f"max_queue_time must be a number of seconds > 0, got {self.max_queue_time!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "stop must be non-empty strings")

@@ -50,9 +50,10 @@ class ScheduledSeq:
     # verifies them (a logits row for each position from the known token on) and reports how many
     # it accepted (ModelOutput.accepted); the KV written for refused ones is garbage nobody reads.
     num_drafts: int = 0
-    # Prompt logprobs: the prompt tokens that follow this chunk's first len(prompt_targets)
-    # tokens (their logprobs come from those rows' logits), and how many top alternatives.
+    # Prompt logprobs: the prompt tokens that follow this chunk's rows prompt_targets_row ..
+    # + len(prompt_targets) (their logprobs come from those rows' logits), and how many top alternatives.
     prompt_targets: list[int] | None = None
+    prompt_targets_row: int = 0
     prompt_logprobs: int = 0
     pooling: str | None = None      # an embedding request: "mean" pools every row, "last" the prompt's last
     pool_end: bool = False          # the chunk ends the prompt: return the normalised embedding

@@ -1,8 +1,10 @@
 """Prompt logprobs (``SamplingParams.prompt_logprobs``) on the core's side: the one owner.
 
 A request that asks for them carries one entry per prompt token computed so far (the first is
-None: nothing predicts it). Each prefill chunk asks the runner for the logprobs of the prompt
-tokens that follow its rows (``chunk_targets``); the step's entries are appended in
+None: nothing predicts it; with ``prompt_logprobs_last`` every token before the last ones is None,
+and those positions may come from the prefix cache: ``Request.cacheable_prefix``). Each prefill chunk asks the
+runner for the logprobs of the prompt tokens that follow its rows (``chunk_targets``); the step's
+entries are appended in
 ``collect``; the whole list goes to the front end once, with the first sampled token
 (``first_output``). A recompute preemption drops a partial list (``reset``), since its chunks
 run again. The runner computes the entries (runner/model_runner.py), the front end turns them
@@ -11,15 +13,19 @@ into ``Logprob`` objects (frontend/output_processor.py). No torch here.
 
 from __future__ import annotations
 
-from conveyor.request import Request
+from conveyor.request import Request, first_prompt_logprobs
 
 
-def chunk_targets(req: Request, start: int, n: int) -> list[int] | None:
-    """The prompt tokens whose logprobs the chunk [start, start + n) yields (None: none wanted)."""
-    last = req.num_prompt_tokens - 1
-    if req.prompt_logprobs is None or len(req.prompt_logprobs) != start + 1 or start >= last:
+def chunk_targets(req: Request, start: int, n: int) -> tuple[int, list[int]] | None:
+    """(row, targets): the prompt tokens whose logprobs the chunk [start, start + n) yields, from its
+    row `row` on (None: none wanted). The list holds an entry per token up to the next one wanted, so
+    the row predicting it is len - 1; rows before it (``prompt_logprobs_last``) yield none."""
+    if req.prompt_logprobs is None:
         return None
-    return req.prompt_token_ids[start + 1:min(start + n, last) + 1]
+    first, last = len(req.prompt_logprobs) - 1, req.num_prompt_tokens - 1
+    if not start <= first < start + n or first >= last:
+        return None
+    return first - start, req.prompt_token_ids[first + 1:min(start + n, last) + 1]
 
 
 def collect(entries_by_id: dict | None, requests: dict[str, Request]) -> None:
@@ -38,4 +44,5 @@ def first_output(req: Request) -> list | None:
 def reset(req: Request) -> None:
     """Recomputed from scratch: a partial list would be appended to twice."""
     if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
-        req.prompt_logprobs = [None]
+        req.prompt_logprobs = first_prompt_logprobs(req)
+

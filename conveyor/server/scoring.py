@@ -14,12 +14,14 @@ whatever the query's own prior; docs/server.md says what else was tried), and
 ``score = sigmoid(cond - prior)``: above 0.5 the document helps predict the query, about 0.5 it
 says nothing about it. The query's token ids are the same in both prompts (tokenized once,
 appended to the tokenized prefix), so the two means are over the very same tokens. One engine
-request per pair plus one per distinct query, all submitted together (they batch);
-prompt-logprob requests do not use the prefix cache.
+request per pair plus one per distinct query, all submitted together (they batch); each asks for
+the logprobs of its query's tokens only (``prompt_logprobs_last``), so the document and template
+before them come from the prefix cache when another request computed them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -125,7 +127,9 @@ def pair_prompts(state: ServerState, queries: list[str], documents: list[str], p
         prefix = encode(client, WITH_DOCUMENT.format(document=d), doc_param)
         prompts.append(Prompt(None, prefix + query_ids[q]))
         counts.append(len(query_ids[q]))
-    requests = [process_request(client, p, params, doc_param) for p in prompts]
+    # only the query's logprobs are read: the document before it may come from the prefix cache
+    requests = [process_request(client, p, dataclasses.replace(params, prompt_logprobs_last=n), doc_param)
+                for p, n in zip(prompts, counts)]
     for r, n in zip(requests, counts):
         if n >= len(r.prompt_token_ids):   # truncate_prompt_tokens cut into the query
             raise bad_request(f"truncate_prompt_tokens leaves {len(r.prompt_token_ids)} tokens, but the query alone "

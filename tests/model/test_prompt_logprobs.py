@@ -1,5 +1,6 @@
 """Prompt logprobs equal transformers' log-softmax over a full forward of the prompt, however the
-prompt is chunked; a prompt-logprobs request computes its whole prompt (no prefix-cache reads)
+prompt is chunked; a prompt-logprobs request computes its whole prompt (no prefix-cache reads),
+or with prompt_logprobs_last only its tail, the rest read from the cache,
 and keeps exactly one entry per prompt token through preemption."""
 
 from __future__ import annotations
@@ -61,3 +62,25 @@ def test_no_prefix_cache_reads_and_preemption_keeps_one_entry_per_token(tiny_mod
         assert len(b.prompt_logprobs) == len(b.prompt_token_ids)
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_last_prompt_logprobs_read_the_prefix_cache(tiny_models, block_size):
+    """prompt_logprobs_last=n: only the last n tokens get entries (equal to transformers'), and the
+    positions before the one predicting the first of them come from the prefix cache."""
+    fam = tiny_models("llama_gqa")
+    doc = random_prompts([45], seed=5)[0]
+    queries = random_prompts([3, 9, 1, 17], seed=6)
+    llm = LLM(with_tokenizer(fam.path), dtype="float32", num_kv_blocks=64, block_size=block_size,
+              cost_model="none")
+    for i, q in enumerate(queries):   # one at a time: the first publishes the document for the others
+        prompt = doc + q
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2, prompt_logprobs_last=len(q))
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        cached = min(len(prompt) - len(q) - 1, len(prompt) - 1) // block_size * block_size
+        assert llm.stats().prefix_cache_hits == i * cached // block_size
+        ref = hf_prompt_logprobs(fam.hf, prompt)
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and all(e is None for e in entries[:len(doc)])
+        for j in range(len(doc), len(prompt)):
+            assert abs(entries[j][prompt[j]] - ref[j - 1][prompt[j]].item()) < 1e-4

@@ -109,3 +109,19 @@ def test_every_block_is_free_afterwards(server):
     stats = server.wait_idle()
     assert stats.kv_usage == 0.0 and stats.num_free_kv_blocks == stats.num_kv_blocks
     assert stats.kv_invariant_violations == 0
+
+
+def test_a_document_scored_again_comes_from_the_prefix_cache(server):
+    """Scoring reads only the query's logprobs, so the document before it is read from the prefix
+    cache once another request computed it; the scores do not change."""
+    doc = " ".join(d[0] for _, d in SETS) * 3   # several KV blocks long
+    queries = [q for q, _ in SETS]
+    first = post(server, "/v1/score", {"text_1": queries, "text_2": doc})
+    assert first.status_code == 200, first.text
+    hits = server.wait_idle().prefix_cache_hits
+    again = post(server, "/v1/score", {"text_1": queries, "text_2": doc})
+    stats = server.wait_idle()
+    blocks = len(doc) // 8 // stats.block_size   # at least this many of the document's blocks, per pair
+    assert stats.prefix_cache_hits - hits >= len(queries) * blocks > 0
+    for a, b in zip(first.json()["data"], again.json()["data"]):
+        assert math.isclose(a["score"], b["score"], abs_tol=1e-3)
