@@ -6,6 +6,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
 from tqdm import tqdm
 
 from conveyor.config import EngineConfig
@@ -17,6 +18,46 @@ from conveyor.sampling.params import SamplingParams
 # A dict: {"prompt": text} or {"prompt_token_ids": ids} (with an optional "prompt" text), and
 # optionally "cache_salt" (a non-empty string: prefix-cache blocks are shared only within a salt).
 PromptType = str | list[int] | dict[str, Any]
+
+
+_PROMPT_TYPES = ("a prompt is a string, a list of token ids, or a dict with 'prompt' (text) or "
+                 "'prompt_token_ids'; give one prompt or a list of them")
+
+
+def prompt_list(prompts: object) -> list:
+    """`prompts` as a list of single prompts (each checked later by the InputProcessor), or
+    InvalidRequestError naming the accepted types."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and _is_int(prompts[0])):
+        return [prompts]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        return list(prompts)
+    raise InvalidRequestError(f"{_PROMPT_TYPES}; got {type(prompts).__name__}", "prompt")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def conversation_list(messages: object) -> list[list[dict]]:
+    """One conversation (a list of message dicts) or a list of them, or InvalidRequestError."""
+    if isinstance(messages, list) and messages and all(_is_message(m) for m in messages):
+        return [messages]
+    if isinstance(messages, list) and messages and all(
+            isinstance(c, list) and c and all(_is_message(m) for m in c) for c in messages):
+        return messages
+    raise InvalidRequestError("messages must be a conversation (a non-empty list of message dicts, each with a "
+                              f"'role') or a list of conversations; got {_describe(messages)}", "messages")
+
+
+def _is_message(m: object) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, list):
+        return "an empty list" if not x else f"a list starting with {type(x[0]).__name__}"
+    return type(x).__name__
 
 
 class LLM:
@@ -62,24 +103,25 @@ class LLM:
             raise
 
     def _inputs(self, prompts, sampling_params, priority) -> list[tuple[ProcessedRequest, int]]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+                raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            raise InvalidRequestError("sampling_params must be a SamplingParams, a list of them (one per prompt) "
+                                      f"or None; got {type(sampling_params).__name__}")
         if priority is None:
             priority = [0] * len(prompts)
         elif isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
-            raise ValueError(f"priority must be a list of integers, one per prompt; got {type(priority).__name__}")
+            raise InvalidRequestError("priority must be a list of integers, one per prompt; got "
+                                      f"{type(priority).__name__}", "priority")
         elif len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        elif not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in priority):
-            raise ValueError(f"priority must be a list of integers, got {list(priority)!r}")
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(prompts)} prompts", "priority")
+        elif not all(_is_int(p) for p in priority):
+            raise InvalidRequestError(f"priority must be a list of integers, got {list(priority)!r}", "priority")
         inputs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
@@ -91,11 +133,15 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [{"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-                   for text in (tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                                for c in conversations)]
+        prompts = []
+        for i, conversation in enumerate(conversation_list(messages)):
+            try:
+                text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            except (jinja2.TemplateError, TypeError, AttributeError) as e:   # the template met data it cannot render
+                raise InvalidRequestError(f"conversation {i}: the chat template cannot render it ({e})",
+                                          "messages") from e
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
