@@ -41,7 +41,7 @@ import struct
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 POLICIES = ("prefix", "least-load", "round-robin")
 ALIASES = {"least-loaded": "least-load"}   # the simulator's older name
@@ -105,15 +105,15 @@ class CacheIndex:
     def __init__(self) -> None:
         self._held: dict[int, set[int]] = {}
 
-    def apply(self, replica: int, events: Sequence[Sequence]) -> None:
-        """Replica `replica`'s events, in the order it published them."""
+    def apply(self, replica: int, events: Sequence[Mapping]) -> None:
+        """Replica `replica`'s events (maps tagged by "type"), in the order it published them."""
         held = self._held.setdefault(replica, set())
         for e in events:
-            kind = e[0]
-            if kind == "BlockStored" and (len(e) < 7 or e[6] in (None, self.DEVICE)):
-                held.update(e[1])
-            elif kind == "BlockRemoved" and (len(e) < 3 or e[2] in (None, self.DEVICE)):
-                held.difference_update(e[1])
+            kind = e.get("type")
+            if kind == "BlockStored" and e.get("medium") in (None, self.DEVICE):
+                held.update(e["block_hashes"])
+            elif kind == "BlockRemoved" and e.get("medium") in (None, self.DEVICE):
+                held.difference_update(e["block_hashes"])
             elif kind == "AllBlocksCleared":
                 held.clear()
 
@@ -155,12 +155,13 @@ class Router:
         self.prefix_routed = 0    # requests sent where their prefix was held or seen before
         self.held_routed = 0      # ... of which: where a replica's events said it held the prefix
 
-    def learn(self, replica: int, events: Sequence[Sequence]) -> None:
-        """A replica's KV cache events (kv/events.py's wire form, in the order it published them):
-        what it stores counts for it, what it removes (or a cleared cache) no longer does. Where
-        prefixes were sent is not forgotten on an eviction: a group of prompts that keeps going
-        to one replica rebuilds its blocks there, instead of spreading over every cache (in the
-        simulator, dropping it cost a few points of prefix-cache hits with small caches)."""
+    def learn(self, replica: int, events: Sequence[Mapping]) -> None:
+        """A replica's KV cache events (kv/events.py's wire form: maps tagged by "type", in the
+        order it published them): what it stores counts for it, what it removes (or a cleared
+        cache) no longer does. Where prefixes were sent is not forgotten on an eviction: a group
+        of prompts that keeps going to one replica rebuilds its blocks there, instead of spreading
+        over every cache (in the simulator, dropping it cost a few points of prefix-cache hits
+        with small caches)."""
         if self.index is None:
             self.index = CacheIndex()
         self.index.apply(replica, events)

@@ -6,22 +6,26 @@ it. The KV manager reports to a ``KVEventRecorder`` (only when events are on: ot
 manager holds None and does no work at all); once per engine step the engine hands the step's
 events to a ``ZmqEventPublisher``, whose thread sends them as one batch.
 
-Wire format (docs/scale-out.md, "KV events"): ZMQ PUB frames ``[topic, seq, payload]``, ``seq``
-an 8-byte big-endian counter from 0 (one per batch: a gap means batches were lost), ``payload``
-the msgpack array ``[ts, events, dp_rank]``; each event a msgpack array whose first element is
-its type name:
+Wire format: vLLM 0.32's msgspec encoding of ``KVEventBatch`` (docs/scale-out.md, "KV events").
+ZMQ PUB frames ``[topic, seq, payload]``, ``seq`` an 8-byte big-endian counter from 0 (one per
+batch: a gap means batches were lost), ``payload`` the msgpack array ``[ts, events, dp_rank]``
+(``EventBatch`` is array-like; the rank is always an int, as vLLM's publisher fills it in). Each
+event is a msgpack map: ``"type"`` (the event's class name) first, then its fields in declaration
+order; an optional field at its default (None) is left out, as msgspec's ``omit_defaults`` does:
 
-- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]`` + ``[extra_keys]`` when a block has extra keys (the cache salt, on a sequence's
-  first block);
-- ``["BlockRemoved", block_hashes, medium]``;
-- ``["AllBlocksCleared"]``.
+- ``BlockStored``: ``block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name`` (always present, maybe nil), then ``extra_keys`` (one entry per block: nil, or
+  ``[salt]`` on a salted sequence's first block) and ``group_idx`` (0: Conveyor reports its first
+  KV cache group), as vLLM's block pool sends them;
+- ``BlockRemoved``: ``block_hashes, medium, group_idx``;
+- ``AllBlocksCleared``: no field.
 
 Block hashes are Conveyor's own prefix-cache keys (sha256 chained over the parent key and the
 block's content, conveyor/kv/prefix_cache.py) as unsigned 64-bit ints: the key's last 8 bytes,
-big-endian (what vLLM sends when it sends ints). A ROUTER socket replays the last
-``buffer_steps`` batches to a client that sends ``[b"", start_seq]`` (what a REQ socket sends),
-answering ``[b"", seq, payload]`` per batch from ``start_seq`` on and ``[b"", -1, b""]`` at the end.
+big-endian (what vLLM sends by default). A ROUTER socket replays the last ``buffer_steps``
+batches to a client that sends ``[b"", start_seq]`` (what a REQ socket sends), answering
+``[b"", topic, seq, payload]`` per batch from ``start_seq`` on and ``[b"", b"", -1, b""]`` at the
+end (the ROUTER adds the client's identity frame in front of each).
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class KVEventRecorder:
-    """One engine step's events, in their wire form (lists), until the engine takes them."""
+    """One engine step's events, in their wire form (dicts, keys in vLLM's field order), until the
+    engine takes them."""
 
     __slots__ = ("block_size", "pending", "_host")
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.pending: list[list] = []
+        self.pending: list[dict] = []
         self._host: Counter[int] = Counter()   # hash -> swapped-out copies in host memory
 
     def stored(self, keys: Sequence[bytes], parent: bytes | None, token_ids: list[int], salt: str | None,
@@ -61,11 +66,14 @@ class KVEventRecorder:
         hashes = [external_hash(k) for k in keys]
         if medium == MEDIUM_HOST:
             self._host.update(hashes)
-        event = ["BlockStored", hashes, None if parent is None else external_hash(parent), token_ids,
-                 self.block_size, None, medium, None]
+        extra_keys: list = [None] * len(hashes)
         if salt is not None:
-            event.append([[salt]] + [None] * (len(hashes) - 1))
-        self.pending.append(event)
+            extra_keys[0] = [salt]
+        self.pending.append({
+            "type": "BlockStored", "block_hashes": hashes,
+            "parent_block_hash": None if parent is None else external_hash(parent),
+            "token_ids": token_ids, "block_size": self.block_size, "lora_id": None, "medium": medium,
+            "lora_name": None, "extra_keys": extra_keys, "group_idx": 0})
 
     def removed(self, keys: Sequence[bytes], medium: str = MEDIUM_DEVICE) -> None:
         hashes = [external_hash(k) for k in keys]
@@ -80,19 +88,19 @@ class KVEventRecorder:
         if not hashes:
             return
         last = self.pending[-1] if self.pending else None
-        if last is not None and last[0] == "BlockRemoved" and last[2] == medium:
-            last[1].extend(hashes)   # one event for a step's run of evictions
+        if last is not None and last["type"] == "BlockRemoved" and last["medium"] == medium:
+            last["block_hashes"].extend(hashes)   # one event for a step's run of evictions
         else:
-            self.pending.append(["BlockRemoved", hashes, medium])
+            self.pending.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": medium, "group_idx": 0})
 
     @property
     def host_blocks(self) -> int:
         return len(self._host)
 
     def cleared(self) -> None:
-        self.pending.append(["AllBlocksCleared"])
+        self.pending.append({"type": "AllBlocksCleared"})
 
-    def take(self) -> list[list]:
+    def take(self) -> list[dict]:
         events, self.pending = self.pending, []
         return events
 
@@ -158,7 +166,7 @@ class ZmqEventPublisher:
             raise RuntimeError(f"cannot open the KV-events sockets ({self.endpoint}, "
                                f"replay {self.replay_endpoint}): {self._error}") from self._error
 
-    def publish(self, events: list[list]) -> None:
+    def publish(self, events: list[dict]) -> None:
         """Queue one step's events as a batch (nothing for an empty step)."""
         if not events or self._closed:
             return
@@ -273,5 +281,5 @@ class ZmqEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -1,5 +1,8 @@
-"""KV cache events in vLLM's wire format, read by a plain msgpack + zmq subscriber written from
-the format in docs/scale-out.md ("KV events"), not with the publisher's classes.
+"""KV cache events in vLLM 0.32's wire format, read as a consumer built on vLLM reads them: a
+frozen copy of vLLM 0.32's msgspec schema (below) decodes every batch a real engine publishes over
+ZMQ, live or replayed, and encoding the decoded batch again gives back the very bytes Conveyor sent
+(key order, defaults left out, integer widths). Where vLLM is installed, its own ``KVEventBatch``
+decodes them too.
 
 A subscriber watches a real engine (a tiny cache, so blocks are evicted) and rebuilds the cache
 from the events: every stored block's tokens and parent chain must be the tokens of a request
@@ -12,11 +15,13 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
+msgspec = pytest.importorskip("msgspec")
 
 from conveyor.bench.serve import free_port  # noqa: E402
 from conveyor.sampling.params import SamplingParams  # noqa: E402
@@ -28,7 +33,68 @@ TOPIC = b"kv@10.0.0.7@tiny"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-# ---- a subscriber written from the documented format ------------------------------------------
+# ---- vLLM 0.32's schema (vllm/distributed/kv_events.py), frozen here -----------------------------
+# The batch is an array; each event a map whose "type" key names its class; msgspec leaves out a
+# field that is at its default. Field order is wire order.
+
+ExternalBlockHash = bytes | int
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+# The keys of each event's map, in order, as Conveyor fills them (vLLM's block pool sends the same).
+WIRE_KEYS = {
+    "BlockStored": ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx"],
+    "BlockRemoved": ["type", "block_hashes", "medium", "group_idx"],
+    "AllBlocksCleared": ["type"],
+}
+
+
+# ---- a subscriber -----------------------------------------------------------------------------
 
 def subscribe(port: int):
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -50,7 +116,8 @@ def receive_until(sub, last_seq: int) -> list[tuple[int, bytes]]:
 
 
 def replay(port: int, start: int) -> list[tuple[int, bytes]]:
-    """Ask the replay socket for every batch from `start` on (a DEALER sends what REQ would)."""
+    """Ask the replay socket for every batch from `start` on (a DEALER sends what REQ would):
+    replies [b"", topic, seq, payload], then [b"", b"", -1, b""]."""
     req = zmq.Context.instance().socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(f"tcp://127.0.0.1:{port}")
@@ -59,37 +126,31 @@ def replay(port: int, start: int) -> list[tuple[int, bytes]]:
         out = []
         while True:
             assert req.poll(20_000), "the replay socket did not answer within 20 s"
-            empty, seq, payload = req.recv_multipart()
-            assert empty == b""
+            empty, topic, seq, payload = req.recv_multipart()
+            assert empty == b"" and len(seq) == 8
             seq = int.from_bytes(seq, "big", signed=True)
             if seq == END:
-                assert payload == b""
+                assert topic == b"" and payload == b""
                 return out
+            assert topic == TOPIC
             out.append((seq, payload))
     finally:
         req.close(0)
 
 
-def decode(payload: bytes) -> tuple[float, list[dict], int]:
-    """[ts, [events], dp_rank]; each event [type, fields...] -> a dict."""
+def decode(payload: bytes) -> KVEventBatch:
+    """The batch through the frozen schema; it must encode back to the same bytes."""
+    batch = DECODER.decode(payload)
+    assert msgspec.msgpack.encode(batch) == payload, "not what vLLM 0.32's encoder writes for this batch"
+    assert isinstance(batch.ts, float) and isinstance(batch.data_parallel_rank, int)
+    return batch
+
+
+def check_keys(payload: bytes) -> None:
+    """Each event of the batch, read as plain msgpack: a map with exactly the expected keys, in order."""
     ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
-    out = []
     for e in events:
-        kind = e[0]
-        if kind == "BlockStored":
-            fields = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                      "lora_name", "extra_keys"]
-            ev = dict(zip(fields, e[1:]))
-            ev.setdefault("extra_keys", None)
-        elif kind == "BlockRemoved":
-            ev = dict(zip(["block_hashes", "medium"], e[1:]))
-        else:
-            assert kind == "AllBlocksCleared" and len(e) == 1, e
-            ev = {}
-        ev["type"] = kind
-        out.append(ev)
-    assert isinstance(ts, float) and isinstance(dp_rank, int)
-    return ts, out, dp_rank
+        assert isinstance(e, dict) and list(e) == WIRE_KEYS[e["type"]], e
 
 
 class CacheModel:
@@ -98,39 +159,41 @@ class CacheModel:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.live = {"GPU": set(), "CPU": set()}
-        self.blocks: dict[int, tuple[int | None, list[int], list | None]] = {}   # hash -> (parent, tokens, extra)
+        self.blocks: dict[int, tuple[int | None, list[int], tuple | None]] = {}   # hash -> (parent, tokens, extra)
         self.stored = self.removed = 0
         self.cleared = 0
 
-    def apply(self, ev: dict) -> None:
-        if ev["type"] == "BlockStored":
-            hashes, bs = ev["block_hashes"], self.block_size
-            assert ev["block_size"] == bs and ev["lora_id"] is None and ev["lora_name"] is None
-            assert len(ev["token_ids"]) == len(hashes) * bs
-            extra = ev["extra_keys"] or [None] * len(hashes)
+    def apply(self, ev: KVCacheEvent) -> None:
+        if isinstance(ev, BlockStored):
+            hashes, bs = ev.block_hashes, self.block_size
+            assert ev.block_size == bs and ev.lora_id is None and ev.lora_name is None and ev.group_idx == 0
+            assert len(ev.token_ids) == len(hashes) * bs
+            extra = ev.extra_keys or [None] * len(hashes)
             assert len(extra) == len(hashes)
-            parent = ev["parent_block_hash"]
+            parent = ev.parent_block_hash
             for j, h in enumerate(hashes):
                 assert isinstance(h, int) and 0 <= h < 1 << 64
-                assert h not in self.live[ev["medium"]], "stored twice without a removal"
+                assert h not in self.live[ev.medium], "stored twice without a removal"
                 if parent is not None:
                     assert parent in self.blocks, "a parent never stored"
-                self.live[ev["medium"]].add(h)
-                self.blocks.setdefault(h, (parent, ev["token_ids"][j * bs:(j + 1) * bs], extra[j]))
-                assert self.blocks[h][:2] == (parent, ev["token_ids"][j * bs:(j + 1) * bs])
+                self.live[ev.medium].add(h)
+                self.blocks.setdefault(h, (parent, ev.token_ids[j * bs:(j + 1) * bs], extra[j]))
+                assert self.blocks[h][:2] == (parent, ev.token_ids[j * bs:(j + 1) * bs])
                 parent = h
             self.stored += len(hashes)
-        elif ev["type"] == "BlockRemoved":
-            for h in ev["block_hashes"]:
-                assert h in self.live[ev["medium"]], "removed a block that is not cached"
-                self.live[ev["medium"]].remove(h)
-            self.removed += len(ev["block_hashes"]) if ev["medium"] == "GPU" else 0
+        elif isinstance(ev, BlockRemoved):
+            assert ev.group_idx == 0
+            for h in ev.block_hashes:
+                assert h in self.live[ev.medium], "removed a block that is not cached"
+                self.live[ev.medium].remove(h)
+            self.removed += len(ev.block_hashes) if ev.medium == "GPU" else 0
         else:
+            assert isinstance(ev, AllBlocksCleared)
             self.live["GPU"].clear()
             self.live["CPU"].clear()
             self.cleared += 1
 
-    def sequence(self, h: int) -> tuple[list[int], list]:
+    def sequence(self, h: int) -> tuple[list[int], tuple | None]:
         """The tokens from the start of h's sequence through h, and its first block's extra keys."""
         chain = []
         while h is not None:
@@ -209,16 +272,18 @@ def test_events_follow_the_cache_and_replay_fills_the_gap(make_engine, ports):
 
         model = CacheModel(block_size=8)
         for _, payload in everything[:-1]:
-            ts, events, dp_rank = decode(payload)
-            assert dp_rank == 0 and events
-            for ev in events:
-                assert ev["type"] != "BlockStored" or ev["medium"] == "GPU"
+            check_keys(payload)
+            batch = decode(payload)
+            assert batch.data_parallel_rank == 0 and batch.events
+            for ev in batch.events:
+                assert not isinstance(ev, BlockStored) or ev.medium == "GPU"
                 model.apply(ev)
         check_tokens(model, sequences)
         assert model.live["GPU"] == cached, "the events rebuild the engine's prefix cache"
         assert stats.evictions > 0 and model.removed == stats.evictions + stats.mismatches
         assert stats.prefix_hits > 0   # the shared prefix was reused, not stored again
-        assert [e["type"] for e in decode(everything[-1][1])[1]] == ["AllBlocksCleared"]
+        check_keys(everything[-1][1])
+        assert decode(everything[-1][1]).events == [AllBlocksCleared()]
         assert engine_hashes(engine) == set()
     finally:
         early.close(0)
@@ -235,12 +300,14 @@ def test_cache_salt_is_in_the_first_blocks_extra_keys(make_engine, ports):
         model = CacheModel(block_size=8)
         stored = []
         for _, payload in replay(ports[1], 0):
-            for ev in decode(payload)[1]:
+            check_keys(payload)
+            for ev in decode(payload).events:
                 model.apply(ev)
-                stored += [ev] if ev["type"] == "BlockStored" else []
-        salted = [ev for ev in stored if ev["extra_keys"] is not None]
-        assert len(salted) == 1 and salted[0]["parent_block_hash"] is None
-        assert salted[0]["extra_keys"][0] == ["tenant-a"] and all(k is None for k in salted[0]["extra_keys"][1:])
+                stored += [ev] if isinstance(ev, BlockStored) else []
+        salted = [ev for ev in stored if any(ev.extra_keys)]
+        assert len(salted) == 1 and salted[0].parent_block_hash is None
+        assert salted[0].extra_keys[0] == ("tenant-a",) and not any(salted[0].extra_keys[1:])
+        assert all(ev.extra_keys == [None] * len(ev.block_hashes) for ev in stored if ev is not salted[0])
         # Every block of the salted sequence chains back to that first block; the unsalted run's
         # blocks (same tokens) have other hashes and no extra keys.
         chains = {}
@@ -272,15 +339,40 @@ def test_swap_moves_blocks_to_medium_cpu_and_back(make_engine, ports):
             for seq, payload in replay(ports[1], next_seq):
                 assert seq == next_seq
                 next_seq += 1
-                for ev in decode(payload)[1]:
-                    if ev["type"] == "BlockStored" and ev["medium"] == "CPU":
-                        on_host += len(ev["block_hashes"])
-                        assert all(h in model.blocks for h in ev["block_hashes"]), "cached on the device first"
+                check_keys(payload)
+                for ev in decode(payload).events:
+                    if isinstance(ev, BlockStored) and ev.medium == "CPU":
+                        on_host += len(ev.block_hashes)
+                        assert all(h in model.blocks for h in ev.block_hashes), "cached on the device first"
                     model.apply(ev)
             assert model.live["GPU"] == engine_hashes(engine)
         assert engine.stats().num_swaps_out > 0
         assert on_host > 0 and model.live["CPU"] == set(), "every host copy is reported gone after swap-in"
         check_tokens(model, [outs[i].prompt_token_ids + list(outs[i].outputs[0].token_ids) for i in ids])
+    finally:
+        engine.close()
+
+
+def test_vllms_own_decoder_reads_every_batch(make_engine, ports):
+    """vLLM's KVEventBatch, where vLLM is installed: every batch of a run with evictions, a salted
+    sequence and a cache reset decodes as it does with the frozen schema, and encodes back to the
+    bytes sent."""
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    vllm_decoder = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+    engine = events_engine(make_engine, ports, num_kv_blocks=16, block_size=8)
+    try:
+        prompts = make_prompts(4, seed=5, shared=17)
+        run_all(engine, [{"prompt_token_ids": prompts[0], "cache_salt": "tenant-b"}] + prompts[1:], GREEDY)
+        assert engine.kv.reset_prefix_cache()
+        engine.step()
+        assert engine.kv_events.wait_sent()
+        kinds = set()
+        for _, payload in replay(ports[1], 0):
+            batch = vllm_decoder.decode(payload)
+            assert msgspec.msgpack.encode(batch) == payload
+            assert msgspec.to_builtins(batch) == msgspec.to_builtins(decode(payload))
+            kinds.update(type(ev).__name__ for ev in batch.events)
+        assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
     finally:
         engine.close()
 
@@ -327,13 +419,13 @@ def test_process_engine_replica_publishes_on_its_own_port(ports):
         model, batches = CacheModel(block_size=16), []
         for _ in range(400):   # the child sends after its step: wait for every block (at most ~20 s)
             batches = replay(ports[1], 0)
-            if sum(len(e.get("block_hashes", ())) for _, p in batches for e in decode(p)[1]) >= full:
+            if sum(len(getattr(e, "block_hashes", ())) for _, p in batches for e in decode(p).events) >= full:
                 break
             time.sleep(0.05)
         for _, payload in batches:
-            _, events, dp_rank = decode(payload)
-            assert dp_rank == 1
-            for ev in events:
+            batch = decode(payload)
+            assert batch.data_parallel_rank == 1
+            for ev in batch.events:
                 model.apply(ev)
         assert len(model.live["GPU"]) == full > 0
         check_tokens(model, [sequence])

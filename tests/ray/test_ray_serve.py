@@ -174,7 +174,7 @@ def _replayed(port: int) -> list[tuple[int, list]]:
         out = []
         while True:
             assert sock.poll(20_000), f"the replay socket on {port} did not answer"
-            _, seq, payload = sock.recv_multipart()
+            _, _topic, seq, payload = sock.recv_multipart()
             if int.from_bytes(seq, "big", signed=True) == -1:
                 return out
             _ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
@@ -203,8 +203,9 @@ def test_each_replica_publishes_kv_events_as_its_own_dp_rank(ray_serve):
         for rank in (0, 1):
             batches = _replayed(base + 2 + rank)
             ranks[rank] = {r for r, _ in batches}
-            stored = {tuple(e[3][j:j + 16]) for _, events in batches for e in events if e[0] == "BlockStored"
-                      for j in range(0, len(e[3]), 16)}   # an event may carry several blocks
+            stored = {tuple(e["token_ids"][j:j + 16]) for _, events in batches for e in events
+                      if e["type"] == "BlockStored"
+                      for j in range(0, len(e["token_ids"]), 16)}   # an event may carry several blocks
             found[rank] = [all(tuple(i[16 * b:16 * (b + 1)]) in stored for b in range(full)) for i in ids]
         if all(any(f) for f in found.values()) or time.monotonic() > deadline:
             break

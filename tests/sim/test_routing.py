@@ -131,7 +131,7 @@ def test_the_server_and_the_simulator_route_the_same_prompts_to_the_same_replica
     assert any(a != b for a, b in loads) and any(a % 1 for a, _ in loads)   # loads varied, KV usage in them
     # the simulated replicas' KV events reached the router, as the server's replicas' do
     learned = [e for entry in rec.log if entry[0] == "learn" for e in entry[2]]
-    assert {e[0] for e in learned} >= {"BlockStored", "BlockRemoved"}
+    assert {e["type"] for e in learned} >= {"BlockStored", "BlockRemoved"}
     server = ServerRouter("prefix", 16, balance_slack=2)
     assert replay(rec.log, server) == [c[3] for c in rec.calls]
     assert 0 < server.prefix_routed == rec.prefix_routed < len(records)
@@ -187,7 +187,8 @@ def test_cache_salt_keeps_prefixes_apart():
 
 
 def stored(hashes, tokens, parent=None, medium="GPU"):
-    return ["BlockStored", list(hashes), parent, list(tokens), 16, None, medium, None]
+    return {"type": "BlockStored", "block_hashes": list(hashes), "parent_block_hash": parent,
+            "token_ids": list(tokens), "block_size": 16, "lora_id": None, "medium": medium, "lora_name": None}
 
 
 def test_the_prefix_router_learns_what_each_replica_holds_from_its_kv_events():
@@ -198,12 +199,13 @@ def test_the_prefix_router_learns_what_each_replica_holds_from_its_kv_events():
     r.learn(1, [stored(keys[:2], shared[:32]), stored(keys[2:], shared[32:], keys[1])])
     assert r.choose(shared + [1], [0, 1]) == 1 and r.held_routed == r.prefix_routed == 1
     assert r.choose(shared + [1], [0, 3]) == 0   # ... within the balance slack only
-    r.learn(1, [["BlockRemoved", keys[1:], "GPU"]])   # evicted past the first block: held 1 vs sent 4
+    # evicted past the first block: held 1 vs sent 4
+    r.learn(1, [{"type": "BlockRemoved", "block_hashes": keys[1:], "medium": "GPU"}])
     assert r.choose(shared + [2], [0, 1]) == 0       # where the 4-block prefix was last sent (just above)
     r.learn(0, [stored(keys, shared)])
     r.learn(1, [stored(keys, shared)])
     assert r.choose(shared + [3], [0.5, 0]) == 1     # both hold it: the less loaded
-    r.learn(1, [["AllBlocksCleared"]])
+    r.learn(1, [{"type": "AllBlocksCleared"}])
     assert r.choose(shared + [4], [0.5, 0]) == 0     # held by 0 only: held wins over sent at equal length
     assert r.index.blocks(1) == 0 and r.index.blocks(0) == 4
     # the longest held run wins; a longer prefix sent since (not stored yet) wins over a shorter held one
@@ -220,7 +222,7 @@ def test_the_prefix_router_learns_what_each_replica_holds_from_its_kv_events():
     r.learn(1, [stored(keys, shared, medium="CPU")])
     assert r.choose(shared, [0, 0.5]) == 0 and r.prefix_routed == 0
     # stored after a clear in the same batch: held
-    r.learn(1, [["AllBlocksCleared"], stored(keys, shared)])
+    r.learn(1, [{"type": "AllBlocksCleared"}, stored(keys, shared)])
     assert r.index.leading(1, keys) == 4
 
 

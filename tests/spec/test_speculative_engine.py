@@ -136,10 +136,10 @@ def test_prefix_cache_sees_only_accepted_tokens(base):
     outs = llm.generate(PROMPTS, params)
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     blocks = {tuple(seq[i:i + 4]) for seq in sequences for i in range(0, len(seq) - 3, 4)}
-    stored = [e for e in recorder.pending if e[0] == "BlockStored"]
+    stored = [e for e in recorder.pending if e["type"] == "BlockStored"]
     assert stored
     for event in stored:
-        token_ids = event[3]
+        token_ids = event["token_ids"]
         for i in range(0, len(token_ids), 4):
             assert tuple(token_ids[i:i + 4]) in blocks
     assert llm.engine.core.scheduler.speculator.stats.num_draft_tokens > \
