@@ -6,8 +6,9 @@ Gateway API Inference Extension's endpoint picker (llm-d), vLLM production-stack
 recipes read. Differences from the `conveyor:` series of the same name: ``vllm:num_requests_running``
 / ``_waiting`` count requests (an n=4 request is one) where `conveyor:` counts sequences, a swapped
 request is waiting, and the prefix-cache counters are in tokens (whole blocks x block size) where
-`conveyor:` counts blocks. A replica that is down reports 0 for every load gauge; counters keep their
-totals."""
+`conveyor:` counts blocks. A replica that is down has no load gauges at all (a 0 would read as idle to a
+picker taking the least loaded; its last stats are stale), only ``conveyor:replica_up 0`` and
+``conveyor:engine_dead``; counters keep their totals."""
 
 from __future__ import annotations
 
@@ -54,10 +55,11 @@ class EngineStatsCollector(Collector):
     def _conveyor(replicas: list[tuple[EngineStats, bool, list[str]]], labels: list[str]) -> Iterator[Metric]:
         def gauge(name: str, doc: str, key: Callable[[EngineStats, bool], float],
                   load: bool = True) -> GaugeMetricFamily:
-            """`load`: the replica's current work, 0 while it is down (its last stats are stale)."""
+            """`load`: the replica's current work, left out while it is down."""
             g = GaugeMetricFamily(f"conveyor:{name}", doc, labels=labels)
             for s, up, m in replicas:
-                g.add_metric(m, key(s, up) if up or not load else 0.0)
+                if up or not load:
+                    g.add_metric(m, key(s, up))
             return g
 
         def counter(name: str, doc: str, key: Callable[[EngineStats], float]) -> CounterMetricFamily:
@@ -98,7 +100,7 @@ class EngineStatsCollector(Collector):
         yield counter("kv_invariant_violations", "Transitions to idle at which the KV cache was not whole (a "
                       "leaked block, a stray ref count or table; logged as errors, the engine went on).",
                       lambda s: s.kv_invariant_violations)
-        # Resident bytes: 0 for a replica that is down (its process, and its memory, are gone).
+        # Resident bytes: none for a replica that is down (its process, and its memory, are gone).
         yield gauge("weight_bytes", "Bytes of model weights held in memory: quantized blocks as stored, dense "
                     "weights and any prepacked or dense copies (docs/models.md).", lambda s, _: s.weight_bytes)
         yield gauge("kv_cache_bytes", "Bytes of the device KV cache.", lambda s, _: s.kv_cache_bytes)
@@ -116,14 +118,15 @@ class EngineStatsCollector(Collector):
 
 def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> Iterator[Metric]:
     """vLLM's scheduler, cache and token series, one per replica (label ``engine``, as vLLM labels its
-    data-parallel engines). A replica that is down reports 0 for its gauges."""
+    data-parallel engines). A replica that is down has no gauges (its counters stay)."""
     labels = ["model_name", "engine"]
     rows = [(s, up, [model_name, str(i)]) for i, (s, up) in enumerate(states)]
 
     def gauge(name: str, doc: str, key: Callable[[EngineStats], float]) -> GaugeMetricFamily:
         g = GaugeMetricFamily(f"vllm:{name}", doc, labels=labels)
         for s, up, m in rows:
-            g.add_metric(m, float(key(s)) if up else 0.0)
+            if up:
+                g.add_metric(m, float(key(s)))
         return g
 
     def counter(name: str, doc: str, key: Callable[[EngineStats], float]) -> CounterMetricFamily:
