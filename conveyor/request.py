@@ -109,7 +109,8 @@ class Request:
     @property
     def cacheable_prefix(self) -> int | None:
         """Leading tokens whose KV may come from the prefix cache (None: any). Mean pooling needs every
-        prompt row computed; a prompt logprob still wanted, the logits of the position before it."""
+        prompt row computed; a prompt logprob still wanted, the logits of the position before it
+        (unless a cached block kept the entry: kv/prefix_cache.py)."""
         if self.params.pooling == "mean":
             return 0
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:

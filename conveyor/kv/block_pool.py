@@ -34,6 +34,9 @@ class Block:
     content: bytes = b""              # what the key covers besides the parent: extra keys + token ids
     parent: int = 0                   # publication it was computed after (0: the start of a sequence)
     pub_id: int = 0                   # its publication id: names its token sequence (0: unpublished)
+    # while published: the prompt logprobs of the tokens it holds, as (top-k count, one entry per
+    # token), when a request that asked for them computed it (prefix_cache.py); None otherwise
+    logprobs: tuple[int, list] | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +166,7 @@ class BlockPool:
             if len(self.retired) > len(self.blocks):
                 self.retired.popitem(last=False)
             block.block_hash, block.content, block.parent, block.pub_id = None, b"", 0, 0
+            block.logprobs = None
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.free):

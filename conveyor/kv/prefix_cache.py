@@ -22,14 +22,16 @@ class CachedPrefix(list):
     every group, interleaved like a table (with one group: just the blocks), the null block where a
     local group needs none."""
 
-    __slots__ = ("num_blocks", "pages", "group_hits")
+    __slots__ = ("num_blocks", "pages", "group_hits", "prompt_logprobs")
 
     def __init__(self, ids=(), num_blocks: int | None = None, pages: int | None = None,
-                 group_hits: list[int] | None = None):
+                 group_hits: list[int] | None = None, prompt_logprobs: list | None = None):
         super().__init__(ids)
         self.num_blocks = len(self) if num_blocks is None else num_blocks   # the hit is num_blocks * block_size tokens
         self.pages = len(self) if pages is None else pages                  # pool blocks among the ids (not null)
         self.group_hits = group_hits or []   # per group: blocks it alone could have supplied
+        # a prompt-logprob request's entries known from the cached blocks (its list from the start)
+        self.prompt_logprobs = prompt_logprobs
 
     def block_ids(self) -> set[int]:
         return set(self)
@@ -96,8 +98,15 @@ class PrefixCache:
         self.group_hits = [0] * len(kinds)           # per group: blocks it alone could have supplied
 
     def reads(self, request: Request) -> bool:
-        """Whether any of the request's tokens may come from the cache (Request.cacheable_prefix)."""
-        return self.pool.enable_caching and request.cacheable_prefix != 0
+        """Whether any of the request's tokens may come from the cache (Request.cacheable_prefix, or
+        cached blocks that keep the prompt logprobs it wants)."""
+        return self.pool.enable_caching and (request.cacheable_prefix != 0 or self._keeps_logprobs(request))
+
+    def _keeps_logprobs(self, request: Request) -> bool:
+        """Prompt logprobs still wanted, read from (and kept with) cached blocks: one layer group only
+        (a sliding-window group's blocks are not all kept)."""
+        return (len(self.kinds) == 1 and request.params.pooling != "mean" and request.prompt_logprobs is not None
+                and len(request.prompt_logprobs) < request.num_prompt_tokens)
 
     def block_keys(self, request: Request, upto_tokens: int) -> BlockKeys:
         """Keys and contents of the request's full blocks within (at least) its first upto_tokens tokens."""
@@ -118,17 +127,43 @@ class PrefixCache:
         if not self.reads(request):
             return NO_PREFIX
         n = (request.num_tokens - 1) // self.block_size
-        if request.cacheable_prefix is not None:
+        kept = self._keeps_logprobs(request)
+        if request.cacheable_prefix is not None and not kept:
             n = min(n, request.cacheable_prefix // self.block_size)
         keys = self.block_keys(request, n * self.block_size)
         lookups = [kind.lookup(self.pool, keys, n) for kind in self.kinds]
         hits = [lookup.hits for lookup in lookups]
         m = self._common_prefix(lookups, n)
+        known = None
+        if kept and m:
+            m, known = self._logprob_hit(request, lookups[0].blocks(m))
         if m == 0:
-            return CachedPrefix((), 0, 0, hits)
+            return CachedPrefix((), 0, 0, hits, known)
         columns = [lookup.blocks(m) for lookup in lookups]
         ids = [column[b] for b in range(m) for column in columns]
-        return CachedPrefix(ids, m, sum(1 for b in ids if b != self.null_block), hits)
+        return CachedPrefix(ids, m, sum(1 for b in ids if b != self.null_block), hits, known)
+
+    def _logprob_hit(self, request: Request, blocks: list[int]) -> tuple[int, list]:
+        """A prompt-logprob request's hit among these cached leading blocks, and its list of entries
+        from them. Every wanted logprob needs the logits of the position before it, so the hit ends
+        before the first entry no block keeps (a block computed by a request that asked for the same
+        top-k keeps its tokens' entries)."""
+        bs, total, wanted = self.block_size, request.num_prompt_tokens, request.prompt_logprobs_from
+        k, kept = request.params.prompt_logprobs, []
+        for i, block_id in enumerate(blocks):
+            if (i + 1) * bs > total:
+                break
+            record = self.pool.blocks[block_id].logprobs
+            if (i + 1) * bs <= wanted:   # none of its tokens' logprobs is wanted
+                kept.append(None)
+            elif record is not None and record[0] == k:
+                kept.append(record[1])
+            else:
+                break
+        known = min(total, max(len(kept) * bs, wanted))   # entries known: for the tokens before this one
+        entries = [None] * min(wanted, known)
+        entries += [kept[t // bs][t % bs] for t in range(len(entries), known)]
+        return (len(blocks) if known == total else min(len(blocks), (known - 1) // bs)), entries
 
     @staticmethod
     def _common_prefix(lookups: list[PrefixLookup], n: int) -> int:
@@ -186,12 +221,23 @@ class PrefixCache:
                 key, content = kind.key(keys, i)
                 was = pool.lookup(key) if g == 0 and stored is not None else None
                 holder, parents[g] = kind.publish(pool, block_id, key, content, parents[g])
+                if holder is not None and request.prompt_logprobs is not None and G == 1:
+                    self._keep_logprobs(request, i, holder)
                 if g == 0 and stored is not None and parents[0] is not None:
                     stored.published(i, fresh=holder == block_id and was != holder)
         if stored is not None:
             stored.close()
         self.chain_parent[rid] = parents
         self.num_registered[rid] = full
+
+    def _keep_logprobs(self, request: Request, i: int, holder: int) -> None:
+        """Keep with cached block `holder` the prompt logprobs of the tokens of the request's block i,
+        when the request has them all (a later request asking for the same top-k reads them)."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        entries = request.prompt_logprobs
+        block = self.pool.blocks[holder]
+        if block.logprobs is None and len(entries) >= end and all(e is not None for e in entries[max(1, start):end]):
+            block.logprobs = (request.params.prompt_logprobs, entries[start:end])
 
     def unpublished(self, request_id: str) -> None:
         """The request's table is gone (freed or swapped out): nothing of it counts as published."""

@@ -317,6 +317,8 @@ class Scheduler:
             self._swap_in(req, out)
         else:
             req.num_computed_tokens = cached.num_blocks * self.kv.block_size
+            if cached.prompt_logprobs is not None:   # entries the cached blocks kept (kv/prefix_cache.py)
+                req.prompt_logprobs = cached.prompt_logprobs
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens = req.num_computed_tokens
             self.kv.record_prefix_lookup(req, cached)

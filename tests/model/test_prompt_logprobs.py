@@ -1,7 +1,7 @@
 """Prompt logprobs equal transformers' log-softmax over a full forward of the prompt, however the
-prompt is chunked; a prompt-logprobs request computes its whole prompt (no prefix-cache reads),
-or with prompt_logprobs_last only its tail, the rest read from the cache,
-and keeps exactly one entry per prompt token through preemption."""
+prompt is chunked or read from cached blocks that kept the entries; with prompt_logprobs_last
+only the tail has entries, the rest read from the cache; a request keeps exactly one entry per
+prompt token through preemption."""
 
 from __future__ import annotations
 
@@ -84,3 +84,33 @@ def test_last_prompt_logprobs_read_the_prefix_cache(tiny_models, block_size):
         assert len(entries) == len(prompt) and all(e is None for e in entries[:len(doc)])
         for j in range(len(doc), len(prompt)):
             assert abs(entries[j][prompt[j]] - ref[j - 1][prompt[j]].item()) < 1e-4
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prompt_logprobs_are_kept_with_cached_blocks(tiny_models, block_size):
+    """A request that wants every prompt logprob reads the cached blocks that a request asking for the
+    same top-k computed (their entries kept with them), recomputing only from the block before the
+    first entry none keeps; another top-k reads nothing; every entry equals transformers'."""
+    fam = tiny_models("llama_gqa")
+    shared = random_prompts([45], seed=7)[0]
+    tails = random_prompts([3, 9, 20], seed=8)
+    llm = LLM(with_tokenizer(fam.path), dtype="float32", num_kv_blocks=64, block_size=block_size,
+              cost_model="none")
+
+    def run(prompt, k):
+        before = llm.stats().prefix_cache_hits
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0,
+                           prompt_logprobs=k), use_tqdm=False)[0]
+        ref = hf_prompt_logprobs(fam.hf, prompt)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for j in range(1, len(prompt)):
+            entry = out.prompt_logprobs[j]
+            assert abs(entry[prompt[j]] - ref[j - 1][prompt[j]].item()) < 1e-4
+            assert set(sorted(entry, key=entry.get, reverse=True)[:k]) == set(ref[j - 1].topk(k).indices.tolist())
+        return llm.stats().prefix_cache_hits - before
+
+    assert run(shared + tails[0], 2) == 0
+    full = len(shared) // block_size      # the shared prompt's whole blocks keep their entries...
+    assert run(shared + tails[1], 2) == full - 1   # ...and the last is recomputed for the next entry's logits
+    assert run(shared + tails[2], 3) == 0          # another top-k: nothing kept for it
+    assert run(shared + tails[2], 2) == full - 1   # (blocks computed under k=3 keep nothing for k=2)

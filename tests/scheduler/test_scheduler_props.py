@@ -213,11 +213,12 @@ class FakeExecutor:
     @staticmethod
     def _prompt_logprobs(plan: SchedulerOutput) -> dict:
         """Prompt logprobs as a pure function of (position, token): the entry for prompt
-        position p is {token: -p}. A chunk starting at c gives positions c+1 ... ."""
+        position p is {token: -p}. A chunk starting at c gives positions c+1 ... from its row
+        prompt_targets_row on."""
         out = {}
         for s in plan.scheduled:
             if s.prompt_targets:
-                c = s.num_computed_tokens
+                c = s.num_computed_tokens + s.prompt_targets_row
                 out[s.request_id] = [{t: -float(c + 1 + j)} for j, t in enumerate(s.prompt_targets)]
         return out
 
