@@ -284,12 +284,12 @@ class KVEventListener:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        try:   # [topic, seq (8 bytes, big-endian), msgpack([ts, events, dp_rank])]
+                        try:   # [topic, seq (8 bytes, big-endian), msgpack([ts, events(, dp_rank)])]
                             _, seq_bytes, payload = frames
                             seq = int.from_bytes(seq_bytes, "big", signed=True)
                             lost = expect[i] is not None and seq != expect[i]
                             expect[i] = seq + 1
-                            _, events, _ = msgpack.unpackb(payload)
+                            events = msgpack.unpackb(payload)[1]   # (dp_rank may be left out, as vLLM's struct allows)
                             self._feed(i, events, lost)
                         except Exception:   # noqa: BLE001 - a bad batch must not stop the listener
                             logger.exception("a KV-event batch of replica %d could not be read", i)
