@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.frontend.outputs import CompletionOutput, RequestOutput
+from conveyor.server import openapi
 from conveyor.server.errors import APIError, format_errors_under
 from conveyor.server.inputs import Prompt, chat_prompt, chat_sampling, off_loop_if_big, process_request, text_chars
 from conveyor.server.parsing import (ContentDelta, OutputStream, ReasoningDelta, ToolArgsDelta, ToolCallStart,
@@ -154,6 +155,17 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = None   # one tier here
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error shape, what every error under /v1/messages answers (error_body)."""
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 # ---- translation into a chat request --------------------------------------------------------
 
 def _parts(blocks: list[TextBlock]) -> list[dict[str, Any]]:
@@ -273,7 +285,7 @@ def error_body(err: APIError) -> dict[str, Any]:
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
             529: "overloaded_error"}.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    return AnthropicError(error=AnthropicErrorDetail(type=kind, message=err.message)).model_dump()
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -397,10 +409,10 @@ def _shows_thinking(req: MessagesRequest) -> bool:
 def register_anthropic_routes(app: FastAPI, state: ServerState) -> None:
     format_errors_under(app, PREFIX, error_body)
 
-    @app.post(PREFIX)
+    @app.post(PREFIX, responses=openapi.responses(openapi.ENGINE, streams=True, shape=AnthropicError))
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await create_message(state, body, raw)
 
-    @app.post(PREFIX + "/count_tokens")
+    @app.post(PREFIX + "/count_tokens", responses=openapi.responses(openapi.BODY, shape=AnthropicError))
     async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
         return await count_tokens(state, body)

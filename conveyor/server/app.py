@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from conveyor.frontend.client import EngineClient
 from conveyor.core.stats import EngineStats
-from conveyor.server import observe
+from conveyor.server import observe, openapi
 from conveyor.server.anthropic import register_anthropic_routes
 from conveyor.server.chat import create_chat_completion
 from conveyor.server.completions import create_completion
@@ -21,13 +21,15 @@ from conveyor.server.config import ServerConfig
 from conveyor.server.embeddings import create_embedding
 from conveyor.server.responses import ResponseStore, register_responses
 from conveyor.server.scoring import register_scoring_routes
+from conveyor.server.shutdown import Drain
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
-from conveyor.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                      TokenizeResponse)
+from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse, EmbeddingRequest,
+                                      EmbeddingResponse, HealthStatus, ModelCard, ModelList, ReplicaUp,
+                                      TokenizeRequest, TokenizeResponse)
 from conveyor.server.state import ServerState
 
 
@@ -50,6 +52,9 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
     else:
         client.add_finished_listener(state.metrics.observe_finished)
 
+    # The one shutdown (server/shutdown.py): started by a signal, or here at the lifespan's end.
+    drain = Drain(client, config.shutdown_timeout)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         logger_task = (asyncio.create_task(log_stats(client.stats, config.log_interval))
@@ -59,10 +64,11 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
         finally:
             if logger_task is not None:
                 logger_task.cancel()
-            await client.shutdown(config.shutdown_timeout)
+            await drain.wait()
 
     app = FastAPI(title="Conveyor", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.conveyor = state
+    app.state.drain = drain
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
@@ -74,11 +80,13 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              responses=openapi.responses(openapi.ENGINE, CompletionResponse, streams=True))
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses=openapi.responses(openapi.ENGINE, ChatCompletionResponse, streams=True))
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, body, raw)
 
@@ -86,38 +94,40 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
 
     register_anthropic_routes(app, state)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=openapi.responses(openapi.ENGINE, EmbeddingResponse))
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
         return await create_embedding(state, body, raw)
 
     register_scoring_routes(app, state)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.responses(openapi.ANY))
     async def models() -> ModelList:
         return ModelList(data=[_card(state, n) for n in names])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=openapi.responses(openapi.LOOKUP))
     async def model(model: str) -> ModelCard:
         return _card(state, state.check_model(model))
 
-    @app.get("/health")
+    replicated = getattr(client, "replica_health", None) is not None   # data parallel: /health names replicas
+
+    @app.get("/health", response_class=Response, response_description=openapi.HEALTHY,
+             responses=openapi.responses(openapi.HEALTH, HealthStatus if replicated else None))
     async def health() -> Response:
         if client.is_healthy:
-            health = getattr(client, "replica_health", None)
-            if health is None:
+            if not replicated:
                 return Response(status_code=200)
-            up = health()   # data parallel: serving while any replica is up; say which are down
-            return JSONResponse({"status": "ok" if all(up) else "degraded",
-                                 "replicas": [{"replica": i, "up": u} for i, u in enumerate(up)]})
+            up = client.replica_health()   # serving while any replica is up; say which are down
+            replicas = [ReplicaUp(replica=i, up=u) for i, u in enumerate(up)]
+            return JSONResponse(HealthStatus(status="ok" if all(up) else "degraded", replicas=replicas).model_dump())
         reason = client.dead_reason
         return APIError(503, "the engine is not running" + (f": {reason}" if reason else " (shutting down)"),
                         code="unavailable").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=openapi.responses(openapi.OPEN, text="text/plain"))
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=openapi.responses(openapi.BODY))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -129,7 +139,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
             ids = await off_loop_if_big(chars, encode, client, body.prompt, "prompt", body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids)
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", responses=openapi.responses(openapi.ANY))
     async def tokenizer_info() -> dict:
         """What a remote-tokenizer client needs (lm-evaluation-harness's `tokenizer_backend=remote`,
         as vLLM serves it): special tokens, the chat template, the context length."""
@@ -138,7 +148,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
                 "chat_template": tok.chat_template, "model_max_length": client.max_model_len,
                 "add_bos_token": tok.add_bos_token, "vocab_size": tok.vocab_size}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=openapi.responses(openapi.BODY))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(body.model)
         vocab = client.tokenizer.vocab_size

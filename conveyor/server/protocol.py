@@ -325,6 +325,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class ReplicaUp(BaseModel):
+    replica: int
+    up: bool
+
+
+class HealthStatus(BaseModel):
+    """/health's body under data parallelism (a single engine answers an empty 200)."""
+    status: Literal["ok", "degraded"]
+    replicas: list[ReplicaUp]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conveyor.frontend.outputs import RequestOutput
+from conveyor.server import openapi
 from conveyor.server.errors import APIError, bad_request
 from conveyor.server.inputs import (chat_prompt, chat_sampling, process_request, format_constraint, off_loop_if_big,
                                     text_chars)
@@ -66,15 +67,15 @@ def _new_id(prefix: str) -> str:
 def register_responses(app: FastAPI, state: ServerState, store: ResponseStore) -> None:
     """POST /v1/responses, GET / DELETE /v1/responses/{id}, its cancel and input_items."""
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=openapi.responses(openapi.ENGINE, streams=True))
     async def create(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(state, store, body, raw)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=openapi.responses(openapi.LOOKUP))
     async def retrieve(response_id: str) -> Response:
         return JSONResponse(_stored(store, response_id).body)
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=openapi.responses(openapi.LOOKUP))
     async def delete(response_id: str) -> Response:
         entry = _stored(store, response_id)
         if entry.task is not None:
@@ -82,7 +83,7 @@ def register_responses(app: FastAPI, state: ServerState, store: ResponseStore) -
         store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    @app.post("/v1/responses/{response_id}/cancel")
+    @app.post("/v1/responses/{response_id}/cancel", responses=openapi.responses(openapi.CHECKED))
     async def cancel(response_id: str) -> Response:
         entry = _stored(store, response_id)
         if not entry.background:
@@ -96,7 +97,7 @@ def register_responses(app: FastAPI, state: ServerState, store: ResponseStore) -
             await _stop(entry.task)   # the task records the cancelled body and aborts its engine request
         return JSONResponse(entry.body)
 
-    @app.get("/v1/responses/{response_id}/input_items")
+    @app.get("/v1/responses/{response_id}/input_items", responses=openapi.responses(openapi.CHECKED))
     async def input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
         entry = _stored(store, response_id)
         if not 1 <= limit <= 100:

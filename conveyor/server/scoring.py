@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from conveyor.frontend.outputs import RequestOutput
 from conveyor.sampling.params import SamplingParams
+from conveyor.server import openapi
 from conveyor.server.errors import APIError, bad_request
 from conveyor.frontend.inputs import ProcessedRequest
 from conveyor.server.inputs import Prompt, check_text_size, encode, off_loop_if_big, process_request, text_chars
@@ -205,13 +206,16 @@ async def create_rerank(state: ServerState, req: RerankRequest, raw: Request) ->
 
 
 def register_scoring_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/score")
-    @app.post("/v1/score")
+    scored = openapi.responses(openapi.ENGINE, ScoreResponse)
+    reranked = openapi.responses(openapi.ENGINE, RerankResponse)
+
+    @app.post("/score", responses=scored)
+    @app.post("/v1/score", responses=scored)
     async def score(body: ScoreRequest, raw: Request) -> Response:
         return await create_score(state, body, raw)
 
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
+    @app.post("/rerank", responses=reranked)
+    @app.post("/v1/rerank", responses=reranked)
+    @app.post("/v2/rerank", responses=reranked)
     async def rerank(body: RerankRequest, raw: Request) -> Response:
         return await create_rerank(state, body, raw)
