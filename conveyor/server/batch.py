@@ -6,6 +6,9 @@ gets exactly what the HTTP server would answer: validation, errors and all. Up t
 `max_concurrency` lines are in flight at once (the engine batches them); each answer is appended
 to the output as soon as it is complete, so a killed run is resumed by running it again: the
 custom_ids already in the output are skipped (a last line cut by the kill is dropped first).
+SIGTERM / SIGINT stop it as they stop the server (server/shutdown.py): lines in flight get the
+shutdown timeout to finish, and every line left unanswered is written with the error code
+``batch_cancelled`` (OpenAI's, for a cancelled batch), which a rerun answers again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Any, TextIO
 
 from conveyor.config import add_engine_args, config_from_args
 from conveyor.server.cli import read_chat_template
+from conveyor.server.config import ServerConfig
+from conveyor.server.shutdown import EXIT_CUT_SHORT, Signals
+
+CANCELLED = "batch_cancelled"   # the error code of a line a stopped run left unanswered
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
@@ -40,6 +47,7 @@ class BatchSummary:
     skipped: int      # already answered in the output (resumed)
     written: int      # answered by this run
     failed: int       # of which not a 200 (an HTTP error or a request that could not be sent)
+    cancelled: int = 0   # left unanswered by a SIGTERM / SIGINT: written as batch_cancelled, rerun to answer
 
 
 def read_requests(path: Path) -> list[BatchLine]:
@@ -66,27 +74,50 @@ def read_requests(path: Path) -> list[BatchLine]:
 
 
 def answered_ids(path: Path) -> set[str]:
-    """custom_ids already in the output; a last line without its newline (cut by a kill) is
-    removed from the file, so that appending starts on a fresh line."""
+    """custom_ids already in the output. What must be answered again leaves the file first: a last
+    line without its newline (cut by a kill) and the lines a stopped run cancelled."""
     if not path.exists():
         return set()
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
-    if end < len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    ids = set()
-    for number, text in enumerate(data[:end].decode("utf-8").splitlines(), 1):
-        if text.strip():
-            try:
-                ids.add(json.loads(text)["custom_id"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{number}: not a batch output line ({e}); refusing to append to it") from e
+    dropped = end < len(data)
+    kept, ids = [], set()
+    for number, text in enumerate(data[:end].decode("utf-8").splitlines(keepends=True), 1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+            cid = record["custom_id"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: not a batch output line ({e}); refusing to append to it") from e
+        if _cancelled(record):
+            dropped = True
+            continue
+        ids.add(cid)
+        kept.append(text)
+    if dropped:
+        _rewrite(path, "".join(kept))
     return ids
+
+
+def _cancelled(record: dict) -> bool:
+    return isinstance(record.get("error"), dict) and record["error"].get("code") == CANCELLED
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Replace the file's contents at once: a kill leaves the old file or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _record(custom_id: str, response: dict | None, error: dict | None) -> dict:
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
+
+
+def cancelled_record(line: BatchLine) -> dict:
+    return _record(line.custom_id, None, {"code": CANCELLED, "message": "the run was stopped (SIGTERM / SIGINT) "
+                                          "before this line was answered; a rerun answers it"})
 
 
 def _line_error(line: BatchLine) -> dict | None:
@@ -117,32 +148,47 @@ async def answer(http: Any, line: BatchLine) -> dict:
 
 
 async def run_lines(app: Any, lines: Iterable[BatchLine], out: TextIO, max_concurrency: int,
-                    progress: Any = None, stop_after: int | None = None) -> tuple[int, int]:
-    """Answer `lines` through `app`, appending each record to `out` as it completes; (written, failed).
+                    progress: Any = None, stop_after: int | None = None) -> tuple[int, int, int]:
+    """Answer `lines` through `app`, appending each record to `out` as it completes; (written, failed,
+    cancelled). Once the app's drain started (a signal), lines get no more requests: the ones its
+    shutdown aborted and the ones never sent are written as cancelled.
     `stop_after`: stop (as if killed) once that many are written, in-flight lines unanswered."""
     import httpx   # lazy: optional dependency (httpx)
 
     todo = iter(lines)
-    written = failed = 0
+    written = failed = cancelled = 0
     done = asyncio.Event()
 
     client = app.state.conveyor.client
+    drain = app.state.drain
+
+    def write(record: dict) -> None:
+        nonlocal written, failed, cancelled
+        out.write(json.dumps(record) + "\n")   # one write: a kill cuts at most this line
+        out.flush()
+        if _cancelled(record):
+            cancelled += 1
+        else:
+            written += 1
+            failed += record["error"] is not None or record["response"]["status_code"] != 200
+        if progress is not None:
+            progress.update(1)
 
     async def worker(http: httpx.AsyncClient) -> None:
-        nonlocal written, failed
         for line in todo:   # the workers share one iterator: each line is taken once
+            if drain.started:
+                write(cancelled_record(line))
+                continue
             record = await answer(http, line)
             if done.is_set():   # stopped (stop_after) while this line was in flight
                 return
-            if not client.is_healthy:   # its 503 is not this line's answer: stop; a rerun resumes here
+            if drain.started:
+                if _status(record) == 503:   # aborted by the shutdown, or sent after it began
+                    record = cancelled_record(line)
+            elif not client.is_healthy:   # its 503 is not this line's answer: stop; a rerun resumes here
                 raise RuntimeError(f"the engine stopped ({client.dead_reason or 'shut down'}); "
                                    f"{written} answers written, rerun to resume")
-            out.write(json.dumps(record) + "\n")   # one write: a kill cuts at most this line
-            out.flush()
-            written += 1
-            failed += record["error"] is not None or record["response"]["status_code"] != 200
-            if progress is not None:
-                progress.update(1)
+            write(record)
             if stop_after is not None and written >= stop_after:
                 done.set()
                 return
@@ -162,7 +208,11 @@ async def run_lines(app: Any, lines: Iterable[BatchLine], out: TextIO, max_concu
             for t in [*workers, stopper]:
                 t.cancel()
             await asyncio.gather(*workers, stopper, return_exceptions=True)
-    return written, failed
+    return written, failed, cancelled
+
+
+def _status(record: dict) -> int | None:
+    return None if record["response"] is None else record["response"]["status_code"]
 
 
 async def run_batch(app: Any, input_path: Path, output_path: Path, max_concurrency: int,
@@ -178,11 +228,11 @@ async def run_batch(app: Any, input_path: Path, output_path: Path, max_concurren
         progress = tqdm(total=len(lines), initial=len(lines) - len(todo), unit="req", desc="run-batch")
     try:
         with open(output_path, "a", encoding="utf-8") as out:
-            written, failed = await run_lines(app, todo, out, max_concurrency, progress, stop_after)
+            written, failed, cancelled = await run_lines(app, todo, out, max_concurrency, progress, stop_after)
     finally:
         if progress is not None:
             progress.close()
-    return BatchSummary(len(lines), len(lines) - len(todo), written, failed)
+    return BatchSummary(len(lines), len(lines) - len(todo), written, failed, cancelled)
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -202,6 +252,10 @@ def add_run_batch_parser(subparsers: argparse._SubParsersAction) -> argparse.Arg
                    help="model name(s) the bodies may give (default: the model's name)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (a file path, or the template text)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout,
+                   help="on SIGTERM / Ctrl-C, seconds the lines in flight get to finish; a second signal stops "
+                        "at once. Lines left unanswered are written as batch_cancelled (a rerun answers them); "
+                        "the exit status is then 75")
     add_engine_args(p)
     p.set_defaults(func=cmd_run_batch)
     return p
@@ -221,12 +275,24 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     try:
         if args.chat_template:
             engine.tokenizer.chat_template = read_chat_template(args.chat_template)
-        app = build_app(engine, served_model_name=args.served_model_name, log_interval=0)
+        app = build_app(engine, served_model_name=args.served_model_name, log_interval=0,
+                        shutdown_timeout=args.shutdown_timeout)
         concurrency = args.max_concurrency or 4 * config.scheduler.max_num_seqs
-        summary = asyncio.run(run_batch(app, input_path, output_path, concurrency,
-                                        show_progress=not args.no_progress and os.isatty(2)))
+        signals = Signals.install()
+        summary = asyncio.run(_run_until_drained(app, signals, input_path, output_path, concurrency,
+                                                 show_progress=not args.no_progress and os.isatty(2)))
     finally:
         engine.close()
-    print(f"{summary.written} answered ({summary.failed} not 200), {summary.skipped} already in "
+    cancelled = f", {summary.cancelled} cancelled (rerun to answer them)" if summary.cancelled else ""
+    print(f"{summary.written} answered ({summary.failed} not 200){cancelled}, {summary.skipped} already in "
           f"{output_path}, {summary.total} requests in {input_path}")
-    return 0
+    return EXIT_CUT_SHORT if summary.cancelled else 0
+
+
+async def _run_until_drained(app: Any, signals: Signals, *args: Any, **kw: Any) -> BatchSummary:
+    """run_batch, stopped by SIGTERM / SIGINT as the server is; the engine shut down at the end."""
+    signals.attach_drain(app.state.drain, asyncio.get_running_loop())
+    try:
+        return await run_batch(app, *args, **kw)
+    finally:
+        await app.state.drain.wait()

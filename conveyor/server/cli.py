@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import math
 import os
-import signal
+from collections.abc import Iterator
 
 from conveyor.config import add_engine_args, config_from_args
 from conveyor.server.config import ServerConfig, add_server_args, server_config_from_args
+from conveyor.server.shutdown import EXIT_CUT_SHORT, Drain, Signals
 
-# Extra seconds uvicorn waits for connections after the engine's own shutdown timeout.
+# Seconds uvicorn waits, after the drain, for the connections to send their last bytes.
 _BACKSTOP_S = 5
 
 
@@ -67,21 +68,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from conveyor.server.app import build_app
 
     class Server(uvicorn.Server):
-        """Drains the engine alongside uvicorn's own shutdown, so that in-flight streams finish,
-        or end with an error event and [DONE], before uvicorn's backstop cuts connections."""
+        """uvicorn without its own signal handling: the drain (server/shutdown.py) decides when it stops."""
 
-        async def shutdown(self, sockets=None) -> None:
-            drain = asyncio.create_task(engine.shutdown(server.shutdown_timeout))
-            await super().shutdown(sockets)
-            await drain
-
-        def handle_exit(self, sig: int, frame) -> None:
-            if self.should_exit:   # a second SIGTERM / Ctrl-C while draining: do not wait any longer
-                logging.getLogger("conveyor.server").warning(
-                    "%s during the graceful shutdown: exiting now", signal.Signals(sig).name)
-                logging.shutdown()
-                os._exit(128 + sig)
-            super().handle_exit(sig, frame)
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
 
     server = server_config_from_args(args)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -109,15 +100,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
     app = build_app(engine, server, tracer_provider=tracer_provider)
     uv = Server(uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
-                               access_log=server.access_log,
-                               timeout_graceful_shutdown=math.ceil(server.shutdown_timeout) + _BACKSTOP_S))
+                               access_log=server.access_log, timeout_graceful_shutdown=_BACKSTOP_S))
     freeze_gc()   # this process lives as long as the server: no full-heap collection pauses
-    # uvicorn re-raises the signal that stopped it once it is done; after a graceful shutdown
-    # that should be a clean exit (status 0), not death by SIGTERM.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    asyncio.run(uv.serve())
+    signals = Signals.install()
+    asyncio.run(serve_until_drained(uv, app.state.drain, signals))
     engine.close()   # no-op if the lifespan already shut it down
     if tracer_provider is not None:
         tracer_provider.shutdown()   # exports the spans still batched
-    return 0 if uv.started else 1
+    if not uv.started:
+        return 1
+    return EXIT_CUT_SHORT if app.state.drain.cut_short else 0
+
+
+async def serve_until_drained(uv, drain: Drain, signals: Signals) -> None:
+    """Serve until a signal's drain is over (the listener stays open meanwhile: new requests get a 503),
+    then let uvicorn send the connections' last bytes, close them and run the app's shutdown."""
+    async def stop_when_drained() -> None:
+        await drain.finished()
+        uv.should_exit = True
+
+    signals.attach_drain(drain, asyncio.get_running_loop())
+    watcher = asyncio.ensure_future(stop_when_drained())
+    try:
+        await uv.serve()
+    finally:
+        watcher.cancel()
