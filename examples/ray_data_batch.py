@@ -25,7 +25,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: the demo model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", type=int, default=1, help="engines in the actor pool")
-    p.add_argument("--cpus-per-engine", type=float, default=1)
+    p.add_argument("--cpus-per-engine", type=float, default=None,
+                   help="CPUs each engine actor reserves (default: 1, less when the engines and one read/write "
+                        "task would not fit the cluster's CPUs together)")
     p.add_argument("--gpus-per-engine", type=float, default=0)
     p.add_argument("--batch-size", type=int, default=32, help="rows per map_batches call")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -43,13 +45,16 @@ def main() -> None:
             for i in range(args.demo):
                 f.write(json.dumps({"id": i, "prompt": f"Write one sentence about {topics[i % len(topics)]}:"}) + "\n")
     ray.init(address=os.environ.get("RAY_ADDRESS"))
-    threads = max(1, int(args.cpus_per_engine))
+    threads = max(1, int(args.cpus_per_engine or 1))
     engine = {"model": args.model, "dtype": args.dtype, "torch_threads": threads,
               **({"device": "cuda"} if args.gpus_per_engine else {})}
     start = time.perf_counter()
-    ds = process(ray.data.read_json(args.input), engine, concurrency=args.concurrency, batch_size=args.batch_size,
-                 num_cpus=args.cpus_per_engine, num_gpus=args.gpus_per_engine,
-                 sampling_params={"max_tokens": args.max_tokens, "temperature": args.temperature})
+    try:
+        ds = process(ray.data.read_json(args.input), engine, concurrency=args.concurrency,
+                     batch_size=args.batch_size, num_cpus=args.cpus_per_engine, num_gpus=args.gpus_per_engine,
+                     sampling_params={"max_tokens": args.max_tokens, "temperature": args.temperature})
+    except ValueError as e:   # the engines and the read/write tasks cannot fit the cluster: they would wait forever
+        raise SystemExit(f"error: {e}") from None
     ds.write_json(args.output)
     rows = 0
     tokens = 0

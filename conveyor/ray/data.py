@@ -15,6 +15,10 @@ this one), and optionally their own ``sampling_params`` (a dict of SamplingParam
 there makes sampling reproducible whatever batch or actor the row lands in). Output columns:
 ``generated_text``, ``generated_token_ids``, ``num_generated_tokens``, ``num_input_tokens``,
 ``finish_reason`` beside the input columns.
+
+The engine actors hold their CPUs for the whole run, so a pool that takes every CPU of the cluster
+leaves none for the read and write tasks (1 CPU each, ray.data's default) and the pipeline never
+starts: ``process`` sizes the actors to leave room for one such task, or refuses at once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from conveyor.sampling.params import SamplingParams
 
 OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_generated_tokens", "num_input_tokens",
                   "finish_reason")
+IO_CPUS = 1.0            # what a read or write task reserves (ray.data's default)
+MIN_ENGINE_CPUS = 0.1    # below this an engine actor's share is a rounding error: refuse instead
 
 
 class ConveyorProcessor:
@@ -72,14 +78,44 @@ class ConveyorProcessor:
 
 
 def process(ds: Any, engine_options: dict | None = None, *, sampling_params: dict | None = None,
-            concurrency: int | tuple[int, int] = 1, batch_size: int = 64, num_cpus: float = 1,
-            num_gpus: float = 0, **processor_kwargs: Any) -> Any:
+            concurrency: int | tuple[int, ...] = 1, batch_size: int = 64, num_cpus: float | None = None,
+            num_gpus: float = 0, io_cpus: float = IO_CPUS, **processor_kwargs: Any) -> Any:
     """`ds` with the generated columns: an actor pool of `concurrency` engines (a (min, max) pair lets
-    ray.data autoscale it), `num_cpus`/`num_gpus` each."""
+    ray.data autoscale it), `num_cpus`/`num_gpus` each. `num_cpus` None: 1, or less when the pool
+    and one read/write task of `io_cpus` (what the pipeline's I/O tasks reserve) would not fit the
+    cluster's CPUs together; ValueError when they cannot fit at all."""
+    num_cpus = engine_cpus(max_engines(concurrency), cluster_cpus(), num_cpus, io_cpus)
     return ds.map_batches(ConveyorProcessor, batch_size=batch_size, concurrency=concurrency, num_cpus=num_cpus,
                           num_gpus=num_gpus or None, batch_format="numpy",
                           fn_constructor_kwargs={"engine_options": engine_options, "sampling_params": sampling_params,
                                                  **processor_kwargs})
+
+
+def max_engines(concurrency: int | tuple[int, ...]) -> int:
+    """The most actors a pool of `concurrency` runs (ray.data: n, (min, max) or (min, max, initial))."""
+    return int(concurrency[1] if isinstance(concurrency, (tuple, list)) else concurrency)
+
+
+def cluster_cpus() -> float:
+    import ray   # lazy: optional dependency (ray)
+
+    if not ray.is_initialized():   # ray.data would start it on the first read anyway
+        ray.init()
+    return float(ray.cluster_resources().get("CPU", 0.0))
+
+
+def engine_cpus(engines: int, total: float, requested: float | None = None, io_cpus: float = IO_CPUS) -> float:
+    """CPUs each of `engines` actors reserves so that they and one read/write task of `io_cpus` fit
+    in `total`: `requested`, or by default 1 or the even share of what the task leaves. A Ray CPU is
+    a reservation, not a core: the engine's torch threads are set apart (``torch_threads``)."""
+    room = total - io_cpus
+    per_engine = requested if requested is not None else min(1.0, room / engines)
+    if per_engine < MIN_ENGINE_CPUS or engines * per_engine > room + 1e-9:
+        need = engines * max(per_engine, MIN_ENGINE_CPUS) + io_cpus
+        raise ValueError(f"{engines} engine actor(s) x {max(per_engine, MIN_ENGINE_CPUS):g} CPU and one "
+                         f"read/write task ({io_cpus:g} CPU) need {need:g} CPUs; the cluster has {total:g}. "
+                         f"Run fewer engines (concurrency) or give each fewer CPUs (num_cpus).")
+    return per_engine
 
 
 def _int_fields() -> frozenset[str]:

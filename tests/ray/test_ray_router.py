@@ -2,7 +2,8 @@
 Serve 2.60's router calls, in the order it calls them (ray/serve/_private/router.py): choose, send,
 then for a replica at its strict ``max_ongoing_requests`` a rejection (new queue-length info, the
 call cancelled, ``on_request_completed``); for an accepted one ``on_request_routed`` and, when it
-finishes, ``on_request_completed``. No cluster: the router object alone.
+finishes, ``on_request_completed``; the replica set it is handed (``update_replicas``), whose KV
+events it subscribes to. No cluster: the router object alone.
 """
 
 from __future__ import annotations
@@ -36,16 +37,21 @@ def _replicas():
     return [SimpleNamespace(replica_id=ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT)) for i in range(2)]
 
 
-def _choose(router, replicas, ids):
-    request = SimpleNamespace(args=[ProcessedRequest(None, ids, SamplingParams())])   # as generate() receives it
-    ranked = asyncio.run(router.choose_replicas(replicas, request))
+def _pending(ids, rid):
+    """A pending call of generate() as Serve's router holds it: the ProcessedRequest and the call's id."""
+    return SimpleNamespace(args=[ProcessedRequest(None, ids, SamplingParams())],
+                           metadata=SimpleNamespace(internal_request_id=rid))
+
+
+def _choose(router, replicas, ids, rid="any"):
+    ranked = asyncio.run(router.choose_replicas(replicas, _pending(ids, rid)))
     return ranked[0][0]
 
 
 def _accepted(router, replica, rid):
     router.on_send_request(replica.replica_id)
     router.on_new_queue_len_info(replica.replica_id, 1)
-    router.on_request_routed(None, replica.replica_id, None)
+    router.on_request_routed(_pending([], rid), replica.replica_id, None)
     return lambda: router.on_request_completed(replica.replica_id, rid)
 
 
@@ -57,28 +63,122 @@ def _rejected(router, replica, rid):
 
 def test_rejections_are_uncounted_and_prefix_routing_still_sticks():
     router, replicas = _router(), _replicas()
-    home = _choose(router, replicas, PREFIX + [1, 2, 3])
+    home = _choose(router, replicas, PREFIX + [1, 2, 3], "a")
     _accepted(router, home, "a")()   # served and finished there: the prefix lives on `home`
     for i in range(20):              # far beyond balance_slack: Serve tried `home` and it said no
-        assert _choose(router, replicas, PREFIX + [4, i]) is home
+        assert _choose(router, replicas, PREFIX + [4, i], f"rejected-{i}") is home
         _rejected(router, home, f"rejected-{i}")
     # Every rejection was uncounted: `home` is idle again, so the shared prefix goes there
     # (had the 20 stayed counted, its load would exceed the other's by more than the slack).
-    assert _choose(router, replicas, PREFIX + [5, 6]) is home
+    assert _choose(router, replicas, PREFIX + [5, 6], "b") is home
 
 
 def test_accepted_requests_count_until_completed():
     router = _router()
     router.initialize_state(policy="least-load")
     replicas = _replicas()
-    first = _choose(router, replicas, [1, 2, 3])
+    first = _choose(router, replicas, [1, 2, 3], "a")
     done = _accepted(router, first, "a")
-    second = _choose(router, replicas, [4, 5, 6])
+    second = _choose(router, replicas, [4, 5, 6], "b")
     assert second is not first   # `first` carries one request
     done_second = _accepted(router, second, "b")
     done()
-    assert _choose(router, replicas, [7, 8]) is first   # `first`'s request finished: it is the idler one
+    assert _choose(router, replicas, [7, 8], "c") is first   # `first`'s request finished: it is the idler one
     done_second()
+
+
+def test_every_path_counts_a_request_once_and_uncounts_it_once():
+    """Serve 2.60's paths (ray/serve/_private/router.py, _route_and_send_request_once): accepted then
+    completed (success, error and cancellation all complete through the result's done callback);
+    cancelled while the replica's answer on acceptance was awaited; a replica chosen but the send
+    raised (Serve completes the request in its `finally` without ever sending it); chosen and never
+    sent at all; the replica's actor died."""
+    import time
+
+    router, (r0, _) = _router(), _replicas()
+    rid0 = r0.replica_id
+    assert _choose(router, [r0], [1], "running") is r0
+    assert router.in_flight(rid0) == 1            # chosen: counted before the send
+    done = _accepted(router, r0, "running")
+    assert router.in_flight(rid0) == 1            # the same request, still once
+
+    _choose(router, [r0], [2], "cancelled")
+    router.on_send_request(rid0)
+    assert router.in_flight(rid0) == 2
+    router.on_request_completed(rid0, "cancelled")   # cancelled before the acceptance came back
+    assert router.in_flight(rid0) == 1
+
+    _choose(router, [r0], [3], "send-failed")
+    assert router.in_flight(rid0) == 2
+    router.on_request_completed(rid0, "send-failed")  # try_send_request raised: never sent
+    assert router.in_flight(rid0) == 1               # the running request is still counted
+
+    router.on_request_completed(rid0, "never-seen")  # a completion for a request never counted here
+    assert router.in_flight(rid0) == 1
+
+    _choose(router, [r0], [4], "abandoned")          # chosen, then the caller went away before a send
+    assert router.in_flight(rid0) == 2
+    router._load(rid0).chosen["abandoned"] -= 2.0    # as if chosen 2 s ago: the choice lapsed
+    assert router.in_flight(rid0) == 1
+
+    done()                                           # the running one ends (success, error or cancel)
+    assert router.in_flight(rid0) == 0
+    for _ in range(3):
+        _accepted(router, r0, f"x{time.monotonic()}")
+    router.on_replica_actor_died(rid0)               # its requests fail with it
+    assert router.in_flight(rid0) == 0
+
+
+def test_prefix_router_learns_from_a_replicas_kv_events(tmp_path):
+    """A replica that publishes KV events (its endpoint in Serve's replica metadata) is subscribed to
+    when Serve hands the router its replicas; blocks it stores draw the prompts that start with them,
+    though the router never sent them there (Router.learn, as the built-in data-parallel router)."""
+    pytest.importorskip("zmq")
+    import time
+
+    from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
+    from conveyor.routing import prefix_keys
+
+    endpoint = f"ipc://{tmp_path}/events"
+    publisher = ZmqEventPublisher(endpoint)
+
+    async def queue_len(**_):
+        return 0
+
+    replicas = [SimpleNamespace(replica_id=ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT),
+                                replica_metadata={"kv_events": {"endpoint": endpoint, "node_ip": None}} if i else {},
+                                routing_stats={}, get_queue_len=queue_len, max_ongoing_requests=64)
+                for i in range(2)]
+    router = _router()
+
+    async def scenario():
+        router.update_replicas(replicas)   # r1 publishes: the router subscribes
+        assert _live(router) == {"r0", "r1"}
+        recorder = KVEventRecorder(16)
+        recorder.stored(prefix_keys(PREFIX, 16, 4), None, PREFIX, None)
+        events = recorder.take()
+        deadline = time.monotonic() + 20
+        while True:   # a subscriber joins a moment after it connects: publish until r1 is chosen
+            publisher.publish(events)
+            choice = await router.choose_replicas(replicas, _pending(PREFIX + [7], "p"))
+            if choice[0][0] is replicas[1] or time.monotonic() > deadline:
+                return choice[0][0]
+            router._load(choice[0][0].replica_id).chosen.clear()
+            await asyncio.sleep(0.05)
+
+    try:
+        assert asyncio.run(scenario()) is replicas[1]
+        router.on_replica_actor_died(replicas[1].replica_id)
+        assert _live(router) == {"r0"}   # the ingress's client flags it down (health, /metrics)
+    finally:
+        router._stop_listening("r1")
+        publisher.close()
+
+
+def _live(router):
+    from conveyor.ray import serve as ray_serve
+
+    return set(ray_serve._live_replicas[(DEPLOYMENT.app_name, DEPLOYMENT.name)])
 
 
 def test_deployment_options_place_cpu_and_gpu_bundles_and_serve_accepts_them():
