@@ -35,8 +35,8 @@ class ServerConfig:
     max_waiting: int = option(256, "queued sequences beyond which new requests get 503 + Retry-After "
                                    "(0 = unbounded)")
     log_interval: float = option(10.0, "seconds between stats log lines while busy (0 = off)")
-    shutdown_timeout: float = option(30.0, "on SIGTERM, seconds in-flight requests get to finish before they "
-                                           "are aborted")
+    shutdown_timeout: float = option(30.0, "on SIGTERM / Ctrl-C, seconds in-flight requests get to finish before "
+                                           "they are aborted (a second signal aborts them at once)")
     max_body_bytes: int = option(MAX_BODY_BYTES, "larger request bodies get 413")
     access_log: bool = option(False, "log one line per HTTP request")
     log_requests: bool = option(False, "log one JSON line per API request on the 'conveyor.requests' logger: id, "
