@@ -1,15 +1,16 @@
 """Ray Serve with 2 engine replicas against the built-in data-parallel server, on the same cores.
 
-    python benchmarks/ray_serve.py [--rounds 3] [--requests 64] [--dtype bfloat16] [--setups dp2,ray2,ray2-grpc-proxy]
+    python benchmarks/ray_serve.py [--rounds 3] [--requests 64] [--dtype bfloat16] [--setups dp2,ray2,ray2-http-proxy]
 
 Each round starts each setup's server (`conveyor serve ...`, the setups interleaved, in a rotating
 order), sends it the reference burst (64 requests, prompts of 32-256 random token ids, outputs
 16-256, greedy, ignore_eos, streamed, all at once; a new prompt salt per run) and stops it:
 
 - ``dp2``: ``--data-parallel-size 2 --router least-load`` (the baseline);
-- ``ray2``: the same two replicas on Ray Serve, ``--ray`` (a local Ray started by the server);
-- ``ray2-grpc-proxy``: ``ray2`` with ``RAY_SERVE_PROXY_USE_GRPC=1`` in the server's environment
-  (Serve's HTTP proxy talks to the ingress over gRPC; set where Ray starts, not per deployment).
+- ``ray2``: the same two replicas on Ray Serve, ``--ray`` (a local Ray started by the server, whose
+  HTTP proxy talks to the ingress over gRPC: ``conveyor serve --ray`` sets
+  ``RAY_SERVE_PROXY_USE_GRPC=1`` unless the environment says otherwise);
+- ``ray2-http-proxy``: ``ray2`` with ``RAY_SERVE_PROXY_USE_GRPC=0`` (Serve's default proxy path).
 
 Reported per run: output tok/s, and the CPU seconds the server's whole process tree spent during the
 burst, split into the engine processes and everything else (the front end, Serve's proxy, ingress and
@@ -37,7 +38,7 @@ from conveyor.bench.serve import LoadConfig, ServerProcess, run_load  # noqa: E4
 SETUPS = {
     "dp2": ([], {}),
     "ray2": (["--ray"], {}),
-    "ray2-grpc-proxy": (["--ray"], {"RAY_SERVE_PROXY_USE_GRPC": "1"}),
+    "ray2-http-proxy": (["--ray"], {"RAY_SERVE_PROXY_USE_GRPC": "0"}),
 }
 ENGINE_MARK = "spawn_main"   # the engine processes (multiprocessing spawn children) in the server's tree
 

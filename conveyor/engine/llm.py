@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jinja2
@@ -30,8 +30,8 @@ def prompt_list(prompts: object) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                             and _is_int(prompts[0])):
         return [prompts]
-    if isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
-        return list(prompts)
+    if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray, set, frozenset)):
+        return list(prompts)   # a list, a tuple, a generator (a set has no order to answer in)
     raise InvalidRequestError(f"{_PROMPT_TYPES}; got {type(prompts).__name__}", "prompt")
 
 

@@ -108,6 +108,8 @@ def engine_cpus(engines: int, total: float, requested: float | None = None, io_c
     """CPUs each of `engines` actors reserves so that they and one read/write task of `io_cpus` fit
     in `total`: `requested`, or by default 1 or the even share of what the task leaves. A Ray CPU is
     a reservation, not a core: the engine's torch threads are set apart (``torch_threads``)."""
+    if requested == 0:   # no reservation at all (oversubscribing on purpose): nothing to fit
+        return 0.0
     room = total - io_cpus
     per_engine = requested if requested is not None else min(1.0, room / engines)
     if per_engine < MIN_ENGINE_CPUS or engines * per_engine > room + 1e-9:

@@ -540,12 +540,17 @@ class ReplicaLoad:
         self.accepted.add(rid)
 
     def completed(self, rid: str | None) -> None:
-        if rid is not None and rid in self.accepted:
+        if rid is None:   # (Serve without request ids at completion: one fewer, whichever it was)
+            if self.accepted:
+                self.accepted.pop()
+            elif self.sending:
+                self.sending -= 1
+            return
+        if rid in self.accepted:
             self.accepted.discard(rid)
         elif self.sending:   # rejected at the replica's limit, or sent without Serve's rejection protocol
             self.sending -= 1
-        if rid is not None:
-            self.chosen.pop(rid, None)
+        self.chosen.pop(rid, None)
 
 
 def _prefix_router_class():
@@ -917,7 +922,8 @@ def serve_from_cli(args: Any) -> int:
         app_options=app_options)
     logger.info("Conveyor on Ray Serve: %d engine replica(s), the API at http://%s:%d",
                 server.data_parallel_size, server.host, server.port)
-    drain.wait()
+    while not drain.is_set():   # (polled: Event.wait holds a lock that the signal handler's set() would take)
+        time.sleep(0.2)
     # The ingress's own drain (its app's, as in `conveyor serve`); Serve's graceful shutdown alone would
     # route new requests nowhere (404) and kill streams still open at its timeout without an error event.
     ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)

@@ -69,6 +69,7 @@ def test_accepted_forms_still_run(llm):
     outs = llm.generate([[1, 2, 3], {"prompt_token_ids": (4, 5), "prompt": "x"}, (6, 7)], GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 3
     assert len(llm.generate((9, 10), GREEDY)) == 1   # a tuple of ints is one prompt of token ids
+    assert len(llm.generate(([i, i + 1] for i in range(3)), GREEDY)) == 3   # a generator of prompts
 
 
 junk = st.recursive(st.none() | st.booleans() | st.integers(-5, 300) | st.floats(allow_nan=True)

@@ -37,6 +37,7 @@ def test_engine_cpus_leave_room_for_one_io_task_or_refuse():
     assert engine_cpus(2, 2.0) == 0.5                 # 2 x 0.5 + the read task's 1 = 2
     assert engine_cpus(2, 2.0, io_cpus=0.25) == 0.875
     assert engine_cpus(2, 8.0, requested=2.0) == 2.0
+    assert engine_cpus(4, 2.0, requested=0) == 0.0   # no reservation asked: oversubscribing on purpose
     with pytest.raises(ValueError, match=r"need 3 CPUs; the cluster has 2"):
         engine_cpus(2, 2.0, requested=1.0)            # the old default: 2 actors took both CPUs
     with pytest.raises(ValueError, match=r"need 1.2 CPUs; the cluster has 1"):

@@ -208,3 +208,19 @@ def test_deployment_options_place_cpu_and_gpu_bundles_and_serve_accepts_them():
     assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 3
     with pytest.raises(ValueError):   # an actor that does not fit its bundle is refused by Serve itself
         serve.deployment(**{**opts, "ray_actor_options": {"num_cpus": 8.0}})(type("Engine", (), {}))
+
+
+def test_a_completion_without_a_request_id_takes_one_off():
+    """Serve versions that report a completion without its request id (decrement_queue_len_cache):
+    each completion takes exactly one request off, accepted ones first, never below zero."""
+    from conveyor.ray.serve import ReplicaLoad
+
+    load = ReplicaLoad()
+    for rid in ("a", "b"):
+        load.sent()
+        load.routed(rid)
+    load.sent()   # a third still being sent
+    assert load.count(0.0) == 3
+    for left in (2, 1, 0, 0):
+        load.completed(None)
+        assert load.count(0.0) == left
