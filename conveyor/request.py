@@ -113,9 +113,14 @@ class Request:
         (unless a cached block kept the entry: kv/prefix_cache.py)."""
         if self.params.pooling == "mean":
             return 0
-        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+        if self.prompt_logprobs_pending:
             return self.prompt_logprobs_from - 1
         return None
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def prompt_logprobs_from(self) -> int:

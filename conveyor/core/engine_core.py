@@ -217,7 +217,8 @@ class EngineCore:
         collect_prompt_logprobs(model_out.prompt_logprobs, requests)
         embeddings = collect_embeddings(model_out.embeddings, requests)
         if self.grammars is not None:
-            self.grammars.accept(_step_tokens(plan, model_out), requests)
+            self.grammars.accept({s.request_id: model_out.step_tokens(s) for s in plan.scheduled
+                                  if s.request_id in model_out.sampled}, requests)
         try:
             touched = self.scheduler.update(plan, model_out)   # finishes what is done (scheduler/stopping.py)
         except Exception as e:   # noqa: BLE001
@@ -311,18 +312,6 @@ class EngineCore:
     def engine_stats(self) -> EngineStats:
         """A typed snapshot of the scheduler's, KV cache's and this core's counters."""
         return EngineStats.of(self.scheduler, self.stats, self.dead)
-
-
-def _step_tokens(plan: SchedulerOutput, model_out: ModelOutput) -> dict[str, list[int]]:
-    """Each sampling sequence's new tokens of the step, in order: its accepted drafts, then the sampled one."""
-    accepted = model_out.accepted or {}
-    out = {}
-    for s in plan.scheduled:
-        token = model_out.sampled.get(s.request_id)
-        if token is not None:
-            a = accepted.get(s.request_id, 0)
-            out[s.request_id] = s.draft_token_ids[:a] + [token]
-    return out
 
 
 def idle_violations(scheduler: Scheduler, full: bool = True) -> list[str]:

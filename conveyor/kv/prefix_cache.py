@@ -105,8 +105,7 @@ class PrefixCache:
     def _keeps_logprobs(self, request: Request) -> bool:
         """Prompt logprobs still wanted, read from (and kept with) cached blocks: one layer group only
         (a sliding-window group's blocks are not all kept)."""
-        return (len(self.kinds) == 1 and request.params.pooling != "mean" and request.prompt_logprobs is not None
-                and len(request.prompt_logprobs) < request.num_prompt_tokens)
+        return len(self.kinds) == 1 and request.params.pooling != "mean" and request.prompt_logprobs_pending
 
     def block_keys(self, request: Request, upto_tokens: int) -> BlockKeys:
         """Keys and contents of the request's full blocks within (at least) its first upto_tokens tokens."""

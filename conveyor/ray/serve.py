@@ -48,7 +48,7 @@ from conveyor.config import EngineConfig, config_from_args
 from conveyor.frontend.client import Overloaded, RequestStream
 from conveyor.transport.thread import AsyncEngine
 from conveyor.core.engine_core import EngineDeadError
-from conveyor.transport.data_parallel import KVEventListener, replica_config
+from conveyor.transport.data_parallel import KVEventListener, can_read_kv_events, replica_config
 from conveyor.frontend.inputs import InputProcessor, ProcessedRequest, grammar_backend
 from conveyor.frontend.output_processor import error_output
 from conveyor.frontend.outputs import CompletionOutput, RequestOutput
@@ -745,7 +745,7 @@ def build_application(config: EngineConfig, *, num_replicas: int | str | None = 
     ingress_cls = serve.ingress()(IngressReplica)
     ingress = serve.deployment(ingress_cls, name=INGRESS_DEPLOYMENT).options(
         num_replicas=ingress_replicas, ray_actor_options=one_loop({"num_cpus": 0}), max_ongoing_requests=1000)
-    events = policy_name(router) == "prefix" and _have_kv_events()
+    events = policy_name(router) == "prefix" and can_read_kv_events()
     return ingress.bind(engine.bind(config, max_waiting, engine_process, chat_template, events), app_options)
 
 
@@ -762,18 +762,6 @@ def one_loop(actor_options: dict) -> dict:
     env = dict(actor_options.get("runtime_env", {}).get("env_vars", {}))
     runtime_env = {**actor_options.get("runtime_env", {}), "env_vars": {**ONE_LOOP_ENV, **env}}
     return {**actor_options, "runtime_env": runtime_env}
-
-
-def _have_kv_events() -> bool:
-    try:
-        # lazy: optional dependency (pyzmq, msgpack)
-        import msgpack  # noqa: F401
-        import zmq  # noqa: F401
-    except ImportError:
-        logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
-                    "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
-        return False
-    return True
 
 
 def app_builder(args: dict) -> Any:

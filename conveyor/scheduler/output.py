@@ -121,3 +121,10 @@ class ModelOutput:
     # order; missing: none) and their logprob entries (params.logprobs). The sampled token follows them.
     accepted: dict[str, int] | None = None
     draft_logprobs: dict[str, list[LogprobEntry]] | None = None
+
+    def num_accepted(self, request_id: str) -> int:
+        return (self.accepted or {}).get(request_id, 0)
+
+    def step_tokens(self, seq: ScheduledSeq) -> list[int]:
+        """A sampling seq's new tokens of the step, in order: its accepted drafts, then the sampled one."""
+        return seq.draft_token_ids[:self.num_accepted(seq.request_id)] + [self.sampled[seq.request_id]]

@@ -2,10 +2,10 @@
 
 A request that asks for them carries one entry per prompt token computed so far (the first is
 None: nothing predicts it; with ``prompt_logprobs_last`` every token before the last ones is None,
-and those positions may come from the prefix cache: ``Request.cacheable_prefix``). Each prefill chunk asks the
-runner for the logprobs of the prompt tokens that follow its rows (``chunk_targets``); the step's
-entries are appended in
-``collect``; the whole list goes to the front end once, with the first sampled token
+and those positions may come from the prefix cache: ``Request.cacheable_prefix``). Each prefill
+chunk asks the runner for the logprobs of the prompt tokens that follow its rows
+(``chunk_targets``); the step's entries are appended in ``collect``; the whole list goes to the
+front end once, with the first sampled token
 (``first_output``). A recompute preemption drops a partial list (``reset``), since its chunks
 run again. The runner computes the entries (runner/model_runner.py), the front end turns them
 into ``Logprob`` objects (frontend/output_processor.py). No torch here.
@@ -43,6 +43,5 @@ def first_output(req: Request) -> list | None:
 
 def reset(req: Request) -> None:
     """Recomputed from scratch: a partial list would be appended to twice."""
-    if req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens:
+    if req.prompt_logprobs_pending:
         req.prompt_logprobs = first_prompt_logprobs(req)
-

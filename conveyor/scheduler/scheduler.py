@@ -672,12 +672,12 @@ class Scheduler:
         one by one as if each had been a step of its own (the first that finishes it is the last);
         only the accepted tokens' KV counts as computed, and blocks allocated past it go back."""
         k = s.num_drafts
-        accepted = (model_out.accepted or {}).get(s.request_id, 0)
+        accepted = model_out.num_accepted(s.request_id)
         assert 0 <= accepted <= k, (s.request_id, accepted, k)
         if self.speculator is not None:
             self.speculator.observe(s.request_id, k, accepted)
         emitted, verdict = 0, None
-        for token in s.draft_token_ids[:accepted] + [model_out.sampled[s.request_id]]:
+        for token in model_out.step_tokens(s):
             req.append_token(token, now, timed=not emitted)
             emitted += 1
             verdict = finish_verdict(req, token)

@@ -84,8 +84,7 @@ class OracleExecutor:
 
     def execute(self, plan: SchedulerOutput) -> ModelOutput:
         out = self.inner.execute(plan)
-        got = out.accepted or {}
-        sampled, accepted = self.oracle.fix_output(plan, out.sampled, lambda rid, n, k: got.get(rid, 0))
+        sampled, accepted = self.oracle.fix_output(plan, out.sampled, lambda rid, n, k: out.num_accepted(rid))
         draft_logprobs = None
         if out.draft_logprobs:
             draft_logprobs = {rid: e[:accepted.get(rid, 0)] for rid, e in out.draft_logprobs.items()

@@ -221,13 +221,7 @@ def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig
     private sockets to remove at close. Events the user publishes on a bound endpoint are read there
     (tcp wildcards through the loopback); without an endpoint, each replica publishes on an ipc
     socket in a private temporary directory."""
-    try:
-        # lazy: optional dependency (pyzmq, msgpack)
-        import msgpack  # noqa: F401
-        import zmq  # noqa: F401
-    except ImportError:
-        logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
-                    "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
+    if not can_read_kv_events():
         return config, None, None
     endpoint, folder = config.kv_events_endpoint, None
     if endpoint is None:
@@ -242,6 +236,20 @@ def events_for_router(config: EngineConfig, replicas: int) -> tuple[EngineConfig
         listen = [ep.replace(wildcard, "tcp://127.0.0.1:") for ep in listen]
     listen = [ep.replace("tcp://[::]:", "tcp://[::1]:") for ep in listen]
     return config, listen, folder
+
+
+def can_read_kv_events() -> bool:
+    """Whether pyzmq and msgpack are here, for a prefix router to learn from the replicas' KV events
+    (logged when they are not)."""
+    try:
+        # lazy: optional dependency (pyzmq, msgpack)
+        import msgpack  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError:
+        logger.info("the prefix router goes by where it sent prefixes; with pyzmq and msgpack "
+                    "(pip install 'conveyor[kv-events]') it learns what each replica's cache holds")
+        return False
+    return True
 
 
 class KVEventListener:
