@@ -95,6 +95,10 @@ class EngineConfig:
     data_parallel_rank: int = option(0, "this engine's replica index among data-parallel replicas: the KV events' "
                                         "dp_rank and port offset (set per replica by --data-parallel-size; give "
                                         "it yourself when each replica is its own server)")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT directories) over the base model, several in one batch")
+    max_loras: int = option(4, "LoRA adapters resident at once (a request for another evicts the least recently used "
+                               "idle one)")
+    max_lora_rank: int = option(64, "largest LoRA rank accepted (an adapter of higher rank is refused)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -110,6 +114,8 @@ class EngineConfig:
             raise ValueError("max_consecutive_step_failures must be >= 1")
         if self.kv_events_buffer_steps < 1 or self.kv_events_hwm < 1:
             raise ValueError("kv_events_buffer_steps and kv_events_hwm must be >= 1")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
 

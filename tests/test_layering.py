@@ -32,32 +32,33 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "paths": (),
     "tokenizer": (),
     "routing": (),
+    "lora": (),   # LoRARequest (torch-free) and PEFT adapters read into tensors; no conveyor imports
     "sampling": ("errors", "paths"),   # paths: the GGUF sampling-metadata cache (sampling/defaults.py)
-    "request": ("sampling",),
-    "kv": ("request", "routing"),
-    "scheduler": ("config_fields", "kv", "request", "sampling"),
+    "request": ("lora", "sampling"),
+    "kv": ("lora", "request", "routing"),
+    "scheduler": ("config_fields", "kv", "lora", "request", "sampling"),
     "spec": ("request", "scheduler"),   # speculative decoding's proposers and per-step choice (torch-free)
     "config": ("config_fields", "scheduler", "spec"),
-    "model": ("paths", "tokenizer"),
-    "runner": ("kv", "model", "sampling", "scheduler"),
+    "model": ("lora", "paths", "tokenizer"),
+    "runner": ("kv", "lora", "model", "sampling", "scheduler"),
     "parallel": ("kv", "model", "runner"),
-    "core": ("errors", "request", "sampling", "scheduler"),   # the torch-free step, loop, stats, trace, wire types
-    "frontend": ("core", "errors", "request", "sampling", "scheduler", "tokenizer"),   # caller's side, no torch
-    "engine": ("config", "core", "errors", "frontend", "kv", "model", "parallel", "paths", "request", "routing",
+    "core": ("errors", "lora", "request", "sampling", "scheduler"),   # the torch-free step, loop, stats, trace, wire types
+    "frontend": ("core", "errors", "lora", "request", "sampling", "scheduler", "tokenizer"),   # caller's side, no torch
+    "engine": ("config", "core", "errors", "frontend", "kv", "lora", "model", "parallel", "paths", "request", "routing",
                "runner", "sampling", "scheduler", "spec", "tokenizer"),
-    "transport": ("config", "core", "engine", "frontend", "kv", "model", "routing", "sampling"),
+    "transport": ("config", "core", "engine", "frontend", "kv", "lora", "model", "routing", "sampling"),
     "sim": ("config", "core", "kv", "paths", "request", "routing", "runner", "sampling",
             "scheduler", "spec"),   # runner/state.py
     "plot": ("core",),
     "profile": ("core", "engine", "model", "sampling", "scheduler"),
-    "server": ("config", "config_fields", "core", "engine", "errors", "frontend", "parallel", "request", "sampling",
+    "server": ("config", "config_fields", "core", "engine", "errors", "frontend", "lora", "parallel", "request", "sampling",
                "scheduler", "tokenizer", "transport"),
-    "ray": ("config", "core", "engine", "frontend", "kv", "model", "routing", "sampling", "scheduler", "server",
+    "ray": ("config", "core", "engine", "frontend", "kv", "lora", "model", "routing", "sampling", "scheduler", "server",
             "transport"),
     "bench": (),
     "cli": ("bench", "config", "engine", "paths", "plot", "profile", "ray", "sampling", "server", "sim"),
     "__main__": ("cli",),
-    "conveyor": ("config", "engine", "frontend", "sampling", "scheduler"),   # the package's lazy top-level names
+    "conveyor": ("config", "engine", "frontend", "lora", "sampling", "scheduler"),   # the package's lazy top-level names
 }.items()}
 
 # Imports that go against the table, each with the reason it cannot be restructured away:

@@ -8,6 +8,7 @@ matmul each to cut per-step kernel launches and Python overhead.
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ from conveyor.model.quant import (NATIVE_BLOCK_BYTES, QuantConcat, QuantEmbeddin
                                   dense_tokens, int8_amx_tokens)
 
 if TYPE_CHECKING:
+    from conveyor.model.lora import LayerLoRA, LoRABatch
     from conveyor.model.packed import PackedWeights
 
 
@@ -105,16 +107,22 @@ class Attention(nn.Module):
         self.attn = backend
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LayerLoRA | None = None) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.qkv_proj.forward(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.qkv_proj.forward(x)
+        if lora is not None:
+            lora.add("qkv_proj", qkv, x)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_key_value_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = rope.forward(positions, q, k)
-        out = self.o_proj.forward(self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, self.window))
+        attended = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
+        out = self.o_proj.forward(attended)
+        if lora is not None:
+            lora.add("o_proj", out, attended)
         if self.tp is not None:   # tensor parallel: each rank has a share of the heads
             self.tp.all_reduce(out)
         return out
@@ -129,11 +137,21 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_mul = ops.silu_mul if cfg.hidden_act == "silu" else ops.gelu_tanh_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        if lora is not None:
+            return self._forward_lora(x, lora)
         out = self.down_proj.forward(self.act_mul(self.gate_up_proj.forward(x)))
         if self.tp is not None:   # tensor parallel: each rank has a share of the columns
             self.tp.all_reduce(out)
         return out
+
+    def _forward_lora(self, x: torch.Tensor, lora: LayerLoRA) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        lora.add("gate_up_proj", gate_up, x)
+        h = self.act_mul(gate_up)
+        out = self.down_proj.forward(h)
+        lora.add("down_proj", out, h)
+        return out   # (no tensor parallelism with LoRA: the engine refuses it)
 
 
 # The hot path calls submodules' forward() directly: nn.Module.__call__'s hook checks cost
@@ -154,17 +172,18 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops, tp)
 
-    def forward(self, x, residual, positions, rope, kv_cache, meta):
+    def forward(self, x, residual, positions, rope, kv_cache, meta, lora: LayerLoRA | None = None):
         """Pre-norm block with the residual stream carried separately, so each residual add is
-        fused into the next norm: returns (block output, residual before adding it)."""
+        fused into the next norm: returns (block output, residual before adding it). `lora`: the
+        deltas of this step's adapters in this layer, for their rows."""
         h = self.input_layernorm.forward(x) if residual is None else self.input_layernorm.add_forward(x, residual)
         residual = x if residual is None else residual
-        h = self.self_attn.forward(h, positions, rope, kv_cache, meta)
+        h = self.self_attn.forward(h, positions, rope, kv_cache, meta, lora)
         if self.sandwich:
             h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm.forward(h), residual)
-            return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
+            return self.post_feedforward_layernorm.forward(self.mlp.forward(h, lora)), residual
         h = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp.forward(h), residual
+        return self.mlp.forward(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -303,19 +322,23 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                hidden_indices: torch.Tensor | None = None):
+                hidden_indices: torch.Tensor | None = None, lora: LoRABatch | None = None):
         """Logits ``[len(logits_indices), vocab]`` for the selected flattened-token indices only;
-        with `hidden_indices`, also the final (normed) hidden states of those rows: (logits, hidden)."""
+        with `hidden_indices`, also the final (normed) hidden states of those rows: (logits, hidden).
+        `lora`: the step's LoRA adapters and their rows (model/lora.py); None: the base model only."""
         x = self.embed_tokens(input_ids)
         if self.cfg.embedding_multiplier is not None:   # Gemma: the scale rounded to the activations' dtype
             x = x * torch.tensor(self.cfg.embedding_multiplier, dtype=x.dtype)
-        if input_ids.shape[0] <= self.fused_decode_tokens and not meta.prefills and len(meta.decodes) == 1:
+        # (the fused C++ layer loop has no LoRA: a step with LoRA rows takes the Python one)
+        if input_ids.shape[0] <= self.fused_decode_tokens and not meta.prefills and len(meta.decodes) == 1 \
+                and lora is None:
             x, residual = self._fused_decode(x, positions, kv_caches, meta)
         else:
             residual = None
             metas = meta.layers or [meta] * len(self.layers)   # (layer groups: each its block tables)
-            for layer, rope, kv, m in zip(self.layers, self._ropes, kv_caches, metas):
-                x, residual = layer.forward(x, residual, positions, rope, kv, m)
+            loras = repeat(None) if lora is None else lora.layers(len(self.layers))
+            for layer, rope, kv, m, layer_lora in zip(self.layers, self._ropes, kv_caches, metas, loras):
+                x, residual = layer.forward(x, residual, positions, rope, kv, m, layer_lora)
         rows = logits_indices if hidden_indices is None else torch.cat([logits_indices, hidden_indices])
         x = x[rows] if residual is None else x[rows] + residual[rows]
         x = self.norm.forward(x)

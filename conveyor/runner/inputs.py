@@ -36,6 +36,7 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     order: list[int]         # order[i] = index in the caller's list of the i-th laid-out sequence
+    num_tokens: np.ndarray   # num_tokens[i] = flattened rows of the i-th laid-out sequence (in order)
     starts: list[int]        # starts[i] = flattened index of the caller's i-th sequence's first token
     sample_order: list[int]  # caller indices of the sequences whose logits rows are returned, in row order
     # (a sequence with num_logits > 1 has that many consecutive rows, for its last tokens in order)
@@ -129,6 +130,7 @@ def build_inputs(work: list[SeqWork], block_size: int, device: torch.device | st
         meta=meta,
         logits_indices=torch.from_numpy(np.asarray(logits_idx, dtype=np.int64)).to(device),
         order=[caller[i] for i in order],
+        num_tokens=lens,
         starts=_caller_starts(order, starts, caller),
         sample_order=list(rows_of),
     )

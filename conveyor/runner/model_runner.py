@@ -12,10 +12,13 @@ import dataclasses
 import torch
 
 from conveyor.kv.layout import KVLayout
+from conveyor.lora.request import LoRARequest
 from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.llama import LlamaForCausalLM
-from conveyor.runner.inputs import SeqWork, build_inputs
+from conveyor.model.lora import LoRABatch
+from conveyor.runner.inputs import ModelInputs, SeqWork, build_inputs
 from conveyor.runner.kv_cache import KVCacheTensors
+from conveyor.runner.lora import RunnerLoRAs
 from conveyor.runner.state import RunnerState
 from conveyor.sampling.logits import edit_logits
 from conveyor.sampling.sampler import Sampler, SamplerOutput, logprob_entries
@@ -77,9 +80,12 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, sample: bool = True,
-                 layout: KVLayout | None = None):
+                 layout: KVLayout | None = None, enable_lora: bool = False, max_loras: int = 4,
+                 max_lora_rank: int = 64):
         """sample=False: a tensor-parallel rank other than 0 (it runs its slice; the driver samples).
-        layout: the layer groups the scheduler's KV manager uses (default: one group of all layers)."""
+        layout: the layer groups the scheduler's KV manager uses (default: one group of all layers).
+        enable_lora: requests may run under LoRA adapters (NewRequestData.lora), up to `max_loras`
+        resident at once, of rank up to `max_lora_rank` (runner/lora.py)."""
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
@@ -94,6 +100,7 @@ class ModelRunner:
         kernels = cpu_kernels(self.device, dtype)
         self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None) if sample else None
         self.state = RunnerState()       # each request's block table and sampling state, from the plans' deltas
+        self.loras = RunnerLoRAs(model, self.state, max_loras, max_lora_rank, self.device) if enable_lora else None
         self.record_logits = False       # tests: keep the latest step's logits rows, by request id
         self.last_logits: dict[str, torch.Tensor] = {}
 
@@ -189,4 +196,28 @@ class ModelRunner:
                   for r in pooled_rows(s, inputs.starts[i])]
         hidden_idx = torch.tensor(hidden, dtype=indices.dtype, device=indices.device) if hidden else None
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_layers, indices,
-                          hidden_idx), inputs
+                          hidden_idx, lora=self._lora_batch(plan, inputs)), inputs
+
+    def _lora_batch(self, plan: SchedulerOutput, inputs: ModelInputs) -> LoRABatch | None:
+        if self.loras is not None:
+            return self.loras.batch(plan, inputs)
+        for s in plan.scheduled:
+            if s.new is not None and s.new.lora is not None:
+                raise ValueError(f"request {s.request_id!r} asks for LoRA adapter {s.new.lora.lora_name!r}, "
+                                 f"but this engine does not serve LoRA (enable_lora is off)")
+        return None
+
+    # ---- LoRA adapters (the resident ones; requests bring theirs in NewRequestData.lora) ----------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Read an adapter now and keep it resident (LoRAAdapterError, a ValueError, if refused)."""
+        if self.loras is None:
+            raise ValueError(f"cannot load LoRA adapter {lora.lora_name!r}: enable_lora is off")
+        self.loras.add(lora)
+
+    def remove_lora(self, lora: str | int) -> bool:
+        """Drop a resident adapter, by lora_name or lora_int_id; whether it was resident."""
+        return self.loras is not None and self.loras.manager.remove(lora)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The resident adapters, least recently used first."""
+        return [] if self.loras is None else self.loras.manager.resident()

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling.row import SamplingRow
 from conveyor.scheduler.output import NewRequestData, ScheduledSeq, SchedulerOutput
 
@@ -30,6 +31,7 @@ class RequestState:
     # Speculative decoding: the drafts its latest step verified, until their outcome is taken in
     # (``accept``, or the next plan's start position: see ``_take``).
     drafts: list[int] | None = None
+    lora: LoRARequest | None = None   # the adapter its tokens run under (None: the base model)
 
 
 class StateError(RuntimeError):
@@ -60,7 +62,7 @@ class RunnerState:
 
     def _take(self, seq: ScheduledSeq) -> None:
         if seq.new is not None:
-            state = RequestState(list(seq.new_block_ids), _row(seq.new), seq.num_computed_tokens)
+            state = RequestState(list(seq.new_block_ids), _row(seq.new), seq.num_computed_tokens, lora=seq.new.lora)
             self.requests[seq.request_id] = state
         else:
             state = self.requests.get(seq.request_id)

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.row import SamplingRow  # noqa: F401 - re-exported (the runner's per-request view)
 
@@ -33,6 +34,7 @@ class NewRequestData:
     num_output_tokens: int                     # generated so far, before this step
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    lora: LoRARequest | None = None            # the adapter its tokens run under (None: the base model)
 
 
 @dataclass(slots=True)
