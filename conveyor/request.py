@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling.params import SamplingParams
 
 
@@ -83,6 +84,8 @@ class Request:
     max_model_len: int | None = None      # hard cap on prompt + output
     prefill_leader: Request | None = None  # n > 1: wait for this sibling's prefill to share its blocks
     cache_salt: str | None = None         # prefix-cache blocks are shared only among requests with this salt
+    lora: LoRARequest | None = None       # the LoRA adapter it runs under (None: the base model)
+    tenant: str = ""                      # who it is served for (fair scheduling: scheduler/fairness.py)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

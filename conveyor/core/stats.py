@@ -100,6 +100,10 @@ class EngineStats:
     # accepted drafts by position (index j: position j, 0-based; one entry per num_speculative_tokens,
     # so non-empty exactly when speculation is on): non-increasing, summing to spec_num_accepted_tokens
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # ---- LoRA adapters (vllm:lora_requests_info) ----
+    max_lora: int = 0                     # adapters resident at once (0: LoRA off)
+    lora_running: tuple[str, ...] = ()    # adapters with a sequence running
+    lora_waiting: tuple[str, ...] = ()    # adapters with a sequence queued
 
     @classmethod
     def of(cls, scheduler: Scheduler, core: CoreStats, dead: bool) -> EngineStats:
@@ -119,7 +123,8 @@ class EngineStats:
                    prefix_cache_hits=pool.prefix_hits, prefix_cache_evictions=pool.evictions,
                    prefix_cache_mismatches=pool.mismatches, kv_group_windows=kv.windows,
                    prefix_cache_group_hits=tuple(kv.group_hits), engine_dead=dead,
-                   **_spec_counters(scheduler.speculator))
+                   max_lora=scheduler.max_loras, lora_running=tuple(sorted(requests.lora_running)),
+                   lora_waiting=tuple(requests.lora_waiting), **_spec_counters(scheduler.speculator))
 
     @property
     def step_tokens(self) -> int:
@@ -154,11 +159,15 @@ class EngineStats:
                    prefix_cache_group_hits=tuple(map(sum, zip(*(p.prefix_cache_group_hits for p in parts)))),
                    # a replica that has not reported yet has () here: the others' positions still count
                    spec_accepted_per_pos=tuple(map(sum, zip_longest(*(p.spec_accepted_per_pos for p in parts),
-                                                                    fillvalue=0))))
+                                                                    fillvalue=0))),
+                   max_lora=max(p.max_lora for p in parts),
+                   lora_running=tuple(sorted({a for p in parts for a in p.lora_running})),
+                   lora_waiting=tuple(sorted({a for p in parts for a in p.lora_waiting})))
 
 
 _NOT_SUMMED = frozenset({"kv_usage", "last_step_time", "consecutive_step_failures", "engine_dead", "block_size",
-                         "kv_group_windows", "prefix_cache_group_hits", "spec_accepted_per_pos"})
+                         "kv_group_windows", "prefix_cache_group_hits", "spec_accepted_per_pos", "max_lora",
+                         "lora_running", "lora_waiting"})
 _NO_SPEC: dict[str, Any] = {}
 
 

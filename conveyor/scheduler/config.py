@@ -10,6 +10,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 ADMISSION_POLICIES = ("optimistic", "conservative", "predictive")
 SCHEDULING_POLICIES = ("continuous", "static")
 VICTIM_POLICIES = ("cost", "latest")
+TENANT_FAIRNESS = ("vtc", "fcfs")
 
 
 @dataclass(slots=True)
@@ -52,7 +53,20 @@ class SchedulerConfig:
               "instead of being served late (default: no limit); a request's own max_queue_time can only "
               "shorten it")
 
+    tenant_fairness: str = option(
+        "vtc", "among requests of equal priority, serve the tenant with the least service first (vtc: Virtual Token "
+               "Counter) or strictly by arrival (fcfs); a tenant is the request's user, API key or tenant header",
+        choices=TENANT_FAIRNESS)
+    tenant_weights: str | None = option(
+        None, "tenants' shares of service under vtc, as name=weight,... (default weight 1)")
+    tenant_max_running: int = option(0, "most sequences of one tenant running at once (0: no cap); the rest of "
+                                        "its requests wait while other tenants' come in")
+
     def __post_init__(self) -> None:
+        check_choice("tenant_fairness", self.tenant_fairness, TENANT_FAIRNESS)
+        if self.tenant_max_running < 0:
+            raise ValueError(f"tenant_max_running must be >= 0, got {self.tenant_max_running}")
+        self.tenant_weight_map   # a malformed one fails here
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("admission_policy", self.admission_policy, ADMISSION_POLICIES)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
@@ -73,7 +87,28 @@ class SchedulerConfig:
             raise ValueError(f"max_queue_time must be > 0 seconds (or None: no limit), got {self.max_queue_time!r}")
 
     @property
+    def tenant_weight_map(self) -> dict[str, float]:
+        return parse_tenant_weights(self.tenant_weights)
+
+    @property
     def prefill_chunk_cap(self) -> int:
         if self.long_prefill_token_threshold > 0:
             return self.long_prefill_token_threshold
         return max(64, self.max_num_batched_tokens // 4)
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """``"alice=2,bob=0.5"`` -> {"alice": 2.0, "bob": 0.5}; weights must be > 0."""
+    weights: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.rpartition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"tenant_weights: expected name=weight with a weight > 0, got {item.strip()!r}")
+        weights[name.strip()] = weight
+    return weights

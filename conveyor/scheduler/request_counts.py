@@ -13,13 +13,20 @@ from conveyor.request import Request
 
 
 class RequestCounts:
-    __slots__ = ("live", "running", "_live", "_running")
+    __slots__ = ("live", "running", "_live", "_running", "lora_live", "lora_running")
 
     def __init__(self):
         self.live = 0        # requests with a sequence in the scheduler
         self.running = 0     # of those, with a sequence in the running batch
         self._live: Counter[str] = Counter()      # leader id -> its sequences in the scheduler
         self._running: Counter[str] = Counter()   # leader id -> its sequences running
+        self.lora_live: Counter[str] = Counter()      # LoRA adapter name -> its sequences in the scheduler
+        self.lora_running: Counter[str] = Counter()   # ... running
+
+    @property
+    def lora_waiting(self) -> list[str]:
+        """Adapters with a sequence queued (vLLM's waiting_lora_adapters)."""
+        return sorted(a for a, n in self.lora_live.items() if n > self.lora_running.get(a, 0))
 
     @staticmethod
     def _key(seq: Request) -> str:
@@ -27,15 +34,23 @@ class RequestCounts:
 
     def added(self, seq: Request) -> None:
         self.live += _enter(self._live, self._key(seq))
+        if seq.lora is not None:
+            _enter(self.lora_live, seq.lora.lora_name)
 
     def removed(self, seq: Request) -> None:
         self.live -= _leave(self._live, self._key(seq))
+        if seq.lora is not None:
+            _leave(self.lora_live, seq.lora.lora_name)
 
     def started(self, seq: Request) -> None:
         self.running += _enter(self._running, self._key(seq))
+        if seq.lora is not None:
+            _enter(self.lora_running, seq.lora.lora_name)
 
     def stopped(self, seq: Request) -> None:
         self.running -= _leave(self._running, self._key(seq))
+        if seq.lora is not None:
+            _leave(self.lora_running, seq.lora.lora_name)
 
 
 def _enter(counts: Counter[str], key: str) -> int:

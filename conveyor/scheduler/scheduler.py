@@ -11,6 +11,7 @@ No torch here: the simulator drives this very class with a cost-model executor.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from conveyor.scheduler.preemption import (PreemptionCosts, eligible_victims, or
 from conveyor.scheduler.pooling import chunk_pooling as pooling_of_chunk
 from conveyor.scheduler.prompt_logprobs import chunk_targets as prompt_targets
 from conveyor.scheduler.prompt_logprobs import reset as reset_prompt_logprobs
-from conveyor.scheduler.queue import WaitQueue
+from conveyor.scheduler.fairness import FairQueue, TenantLedger, TokenWeights
 from conveyor.scheduler.request_counts import RequestCounts
 from conveyor.scheduler.stopping import finish_verdict
 
@@ -65,7 +66,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, admission: AdmissionPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, costs: PreemptionCosts | None = None):
+                 clock: Callable[[], float] = time.monotonic, costs: PreemptionCosts | None = None,
+                 token_weights: TokenWeights | None = None):
         self.config = config
         # auto preemption: the costs the user set, else the profile's (passed in), else defaults
         self.costs = costs or PreemptionCosts.of(config)
@@ -74,7 +76,10 @@ class Scheduler:
         self.admission = admission or make_admission_policy(
             config.admission_policy, config.admission_quantile, config.reservation_buffer,
             config.admission_half_life)
-        self.waiting = WaitQueue()          # waiting and swapped requests, by (priority, arrival)
+        # Service per tenant (scheduler/fairness.py): equal priorities go to the least served tenant first.
+        self.tenants = TenantLedger(config.tenant_weight_map, token_weights, config.tenant_fairness == "vtc",
+                                    config.tenant_max_running)
+        self.waiting = FairQueue(self.tenants)   # waiting and swapped requests, by (priority, service, arrival)
         self.running: list[Request] = []
         self.swapped: list[Request] = []    # the swapped ones (also in the queue)
         self._reserved: int | None = None
@@ -90,6 +95,10 @@ class Scheduler:
         self._forget: list[str] = []
         # Speculative decoding (conveyor/spec/speculator.py): None = off.
         self.speculator = None
+        # LoRA: adapters the runner may hold at once (0: LoRA off); the requests it holds (running,
+        # swapped) never name more (_lora_fits), counted per adapter id
+        self.max_loras = 0
+        self._held_loras: dict[int, int] = {}
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,6 +119,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.counts.added(request)
+        self.tenants.arrived(request.tenant)
         self.waiting.push(request)
         self.deadlines.push(request, self.config.max_queue_time)
 
@@ -120,6 +130,7 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self.counts.stopped(request)
+            self.tenants.stopped(request.tenant)
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request.status == RequestStatus.WAITING:
@@ -132,6 +143,7 @@ class Scheduler:
             self.speculator.finished(request)
         if self.requests.pop(request.request_id, None) is not None:
             self.counts.removed(request)
+            self.tenants.left(request.tenant)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             if request.params.pooling is None:   # an embedding's zero output says nothing of generation lengths
                 self.admission.observe(request)
@@ -220,20 +232,19 @@ class Scheduler:
         return budget
 
     def _schedule_by_rank(self, out: SchedulerOutput, budget: int, scheduled: dict[str, ScheduledSeq]) -> int:
-        """After the decodes, the rest of the budget goes by rank (priority, then arrival) to running
-        prefill chunks and to requests coming in from the queue (swapped ones back, waiting ones
-        admitted): a better-ranked arrival gets its tokens before worse-ranked chunks. The queue is
+        """After the decodes, the rest of the budget goes by rank (priority, then the tenant's service,
+        then arrival: ``_rank``) to running prefill chunks and to requests coming in from the queue
+        (swapped ones back, waiting ones admitted): a better-ranked arrival gets its tokens before
+        worse-ranked chunks. Ranks move within the step as tenants are given tokens. The queue is
         served in rank order only: once its head cannot come in, nobody behind it does this step."""
-        prefills = [r for r in self.running if r.request_id not in scheduled]   # already by rank
+        prefills = _RankHeap(self._rank, [r for r in self.running if r.request_id not in scheduled])
         held_back: list[Request] = []
-        admitting, i = True, 0
+        admitting = True
         self._reserved = None
         while budget > 0:
-            while i < len(prefills) and prefills[i].status != RequestStatus.RUNNING:
-                i += 1
-            nxt = prefills[i] if i < len(prefills) else None
+            nxt = prefills.peek()
             head = self._queue_head(held_back) if admitting else None
-            if head is not None and (nxt is None or victim_key(head) < victim_key(nxt)):
+            if head is not None and (nxt is None or self._rank(head) < self._rank(nxt)):
                 n = self._bring_in(head, out, budget)
                 if not n and head.preempted_step != self.step:
                     preempted, returned = self._preempt_for_priority(head, out, budget, scheduled)
@@ -247,7 +258,7 @@ class Scheduler:
                 continue
             if nxt is None:
                 break
-            i += 1
+            prefills.pop()
             budget = self._schedule_chunk(nxt, out, budget, scheduled)
         for req in held_back:
             self.waiting.push(req)
@@ -283,6 +294,7 @@ class Scheduler:
             ok = self.kv.allocate(req, 1 + k)
             assert ok, "the drafts' blocks were counted free"
             budget -= k
+            self.tenants.charge(req.tenant, 0, k)
             seq.token_ids.extend(proposed[:k])
             seq.num_drafts = k
             rid, table = req.request_id, self.kv.block_table(req.request_id)
@@ -292,12 +304,38 @@ class Scheduler:
 
     def _queue_head(self, held_back: list[Request]) -> Request | None:
         """The best-ranked queued request (waiting or swapped) that can come in now; followers
-        waiting for their leader's prefill are set aside for this step."""
+        waiting for their leader's prefill are set aside for this step, and so are the requests of
+        tenants at their running cap (skipped in the queue) and those whose LoRA adapter would be one
+        too many for the runner (at most max_num_seqs of them a step: then nobody comes in)."""
         while True:
-            req = self.waiting.peek()
-            if req is None or not self._waits_for_leader(req):
+            req = self.waiting.peek(self.tenants.capped)
+            if req is None:
+                return None
+            if not self._waits_for_leader(req) and self._lora_fits(req):
                 return req
-            held_back.append(self.waiting.pop())
+            if len(held_back) >= self.config.max_num_seqs:
+                return None
+            held_back.append(self.waiting.pop(self.tenants.capped))
+
+    def _lora_fits(self, req: Request) -> bool:
+        """The runner can hold the request's adapter with those of the requests it holds."""
+        return (req.lora is None or not self.max_loras or req.lora.lora_int_id in self._held_loras
+                or len(self._held_loras) < self.max_loras)
+
+    def _hold_lora(self, req: Request, delta: int) -> None:
+        """The runner starts (+1) or stops (-1) holding a request: count its adapter."""
+        if req.lora is None:
+            return
+        key = req.lora.lora_int_id
+        n = self._held_loras.get(key, 0) + delta
+        if n:
+            self._held_loras[key] = n
+        else:
+            del self._held_loras[key]
+
+    def _rank(self, req: Request) -> tuple[int, float, int]:
+        """Who gets the step's tokens first, smaller first: priority, the tenant's service (VTC), arrival."""
+        return req.priority, self.tenants.counter(req.tenant), req.arrival_seq
 
     def _bring_in(self, req: Request, out: SchedulerOutput, budget: int) -> int:
         """Admit the queue's head (or swap it back in) with its first chunk; returns the chunk's
@@ -312,7 +350,7 @@ class Scheduler:
                 or need_now > self.kv.num_free_blocks:
             self.stats.admission_deferrals += 1
             return 0
-        self.waiting.pop()
+        self.waiting.pop(self.tenants.capped)
         if swapped:
             self._swap_in(req, out)
         else:
@@ -410,14 +448,14 @@ class Scheduler:
             return
         free = self.kv.num_free_blocks
         while len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None:
+            req = self.waiting.peek(self.tenants.capped)
+            if req is None or not self._lora_fits(req):
                 break
             need = self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens)
             if self.running and need > free:
                 break
             free -= need
-            self.waiting.pop()
+            self.waiting.pop(self.tenants.capped)
             self._resume(req)
 
     def _return_swapped_members(self, out: SchedulerOutput, budget: int) -> None:
@@ -485,6 +523,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.counts.stopped(victim)
+        self.tenants.stopped(victim.tenant)
         self._reserved = None
         choice = victim_cost(self.config.preemption_mode, victim, self.kv, self.costs)
         if victim.resumed_step == self.step and victim.swapped_in_step == self.step:
@@ -557,6 +596,7 @@ class Scheduler:
         req.resumed_step = self.step
         self.running.append(req)
         self.counts.started(req)
+        self.tenants.started(req.tenant)
         self._reserved = None
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = self.clock()
@@ -583,8 +623,10 @@ class Scheduler:
         out.scheduled.append(seq)
         if self._is_decode(req, n):
             out.num_decode_tokens += n
+            self.tenants.charge(req.tenant, 0, n)
         else:
             out.num_prefill_tokens += n
+            self.tenants.charge(req.tenant, n, 0)
         return seq
 
     def _send_state(self, req: Request, seq: ScheduledSeq) -> None:
@@ -595,6 +637,7 @@ class Scheduler:
         sent = self._sent_blocks.get(rid)
         if sent is None:
             seq.new_block_ids, seq.new = list(table), self._new_request_data(req)
+            self._hold_lora(req, 1)
         elif sent == _RESEND_TABLE:   # swapped back in: new device blocks, the rest the runner kept
             seq.new_block_ids, seq.replace_table = list(table), True
         else:
@@ -604,7 +647,7 @@ class Scheduler:
     @staticmethod
     def _new_request_data(req: Request) -> NewRequestData:
         p = req.params
-        new = NewRequestData(p, req.seed, req.num_output_tokens)
+        new = NewRequestData(p, req.seed, req.num_output_tokens, lora=req.lora)
         if p.needs_penalties or p.bad_words_token_ids or p.logits_processors:   # they read the history
             new.output_token_ids = req.output_token_ids   # (a copy: the property slices)
             if p.repetition_penalty != 1.0:
@@ -615,15 +658,21 @@ class Scheduler:
         """The request leaves the runner (finished, or preempted by recompute): tell it to forget it."""
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._forget.append(req.request_id)
+            self._hold_lora(req, -1)
 
     def _unschedule(self, out: SchedulerOutput, seq: ScheduledSeq) -> int:
         out.scheduled.remove(seq)
+        req = self.requests[seq.request_id]
         if seq.new is not None:   # the runner never gets this full data: the request is still new to it
             self._sent_blocks.pop(seq.request_id, None)
-        if self._is_decode(self.requests[seq.request_id], seq.num_tokens - seq.num_drafts):
+            self._hold_lora(req, -1)
+        if self._is_decode(req, seq.num_tokens - seq.num_drafts):
             out.num_decode_tokens -= seq.num_tokens
+            self.tenants.charge(req.tenant, 0, -seq.num_tokens)
         else:
             out.num_prefill_tokens -= seq.num_tokens
+            self.tenants.charge(req.tenant, -seq.num_tokens, 0)
+        self.waiting.lowered(req.tenant)   # given back: its queued lines rank better again
         return seq.num_tokens
 
     def _record(self, out: SchedulerOutput) -> None:
@@ -696,6 +745,31 @@ class Scheduler:
 
 
 _RESEND_TABLE = -1   # _sent_blocks: the runner holds the request but its table must be sent whole
+
+
+class _RankHeap:
+    """Requests by a rank that can only grow while they wait in it (tenants being served): an entry
+    whose rank grew since it was pushed is pushed again when it reaches the top."""
+
+    def __init__(self, rank: Callable[[Request], tuple], requests: list[Request]):
+        self._rank = rank
+        self._heap = [(rank(r), i, r) for i, r in enumerate(requests)]
+        heapq.heapify(self._heap)
+
+    def peek(self) -> Request | None:
+        while self._heap:
+            key, i, req = self._heap[0]
+            if req.status != RequestStatus.RUNNING:   # preempted earlier in the step
+                heapq.heappop(self._heap)
+                continue
+            now = self._rank(req)
+            if now == key:
+                return req
+            heapq.heapreplace(self._heap, (now, i, req))
+        return None
+
+    def pop(self) -> None:
+        heapq.heappop(self._heap)
 
 
 def _recompute_from_scratch(req: Request) -> None:

@@ -31,7 +31,7 @@ from conveyor.scheduler.costs import CostModel, StepCostModel
 from conveyor.sim.roofline import GPUS, MODEL_PRESETS, RooflineCostModel, model_shape
 from conveyor.sim.simulator import SENSITIVITY_METRICS, SENSITIVITY_STEP, SimResult, elasticity, simulate
 from conveyor.sim.speculation import DEFAULT_ACCEPTANCE, DEFAULT_MATCH_RATE, SimSpeculation
-from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities
+from conveyor.sim.workload import WorkloadSpec, load_trace, parse_priorities, parse_tenants
 from conveyor.spec.speculator import SpeculativeConfig
 
 DEMO = "SmolLM2-135M-Instruct"
@@ -135,7 +135,7 @@ class Setup:
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(args.num_requests, args.rate, args.arrival, args.prompt_len, args.output_len,
                         args.max_tokens, args.prefix_groups, args.prefix_len, args.prefix_share,
-                        parse_priorities(args.priorities or ""), args.seed)
+                        parse_priorities(args.priorities or ""), parse_tenants(args.tenants or ""), args.seed)
 
 
 def make_workload(args: argparse.Namespace, spec: WorkloadSpec):
@@ -422,6 +422,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--prefix-len", type=int, default=0, help="tokens of the shared prefix")
     w.add_argument("--prefix-share", type=float, default=1.0, help="fraction of requests in a group")
     w.add_argument("--priorities", help="priority:weight,... e.g. 0:0.9,1:0.1")
+    w.add_argument("--tenants", help="tenant:share,... of the requests, e.g. heavy:10,light:1 (scheduled by "
+                                     "--tenant-fairness; the summary reports each tenant)")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (with --speculative-config, the engine's option)")
     s.add_argument("--spec-acceptance", type=str, default=None, metavar="P",

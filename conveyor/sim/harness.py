@@ -113,6 +113,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    tenant: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -134,7 +135,7 @@ def make_request(index: int, spec: SimRequest, arrival: float, seed: int = 0,
     params = SamplingParams(temperature=0, max_tokens=spec.cap)
     params.eos_token_ids = (EOS,)
     return Request(str(index), spec.prompt_token_ids(index, seed, token_range), params, priority=spec.priority,
-                   arrival_time=arrival)
+                   arrival_time=arrival, tenant=spec.tenant)
 
 
 def replica_loads(replicas: list[Replica]) -> list[float | None]:
@@ -173,7 +174,8 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | 
         timeline.append(t0)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     pending = deque(order)
-    records = [RequestRecord(i, t0 + w.arrival, w.prompt_len, w.output_len) for i, w in enumerate(workload)]
+    records = [RequestRecord(i, t0 + w.arrival, w.prompt_len, w.output_len, tenant=w.tenant)
+               for i, w in enumerate(workload)]
     steps = 0
     while pending or any(r.core.has_unfinished() for r in replicas):
         nows = [r.clock() for r in replicas]

@@ -25,6 +25,7 @@ from conveyor.kv.manager import KVCacheManager
 from conveyor.routing import Router
 from conveyor.scheduler.config import SchedulerConfig
 from conveyor.scheduler.costs import AfterPrefill, CostModel, StepCostModel, StepShape, preemption_costs
+from conveyor.scheduler.fairness import TokenWeights
 from conveyor.scheduler.output import ModelOutput, SchedulerOutput
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.sim.harness import EOS, OracleLengths, Replica, RequestRecord, drive
@@ -158,6 +159,21 @@ class SimResult:
             return statistics.fmean(xs) if xs else math.nan
         return percentile(xs, float(stat.lstrip("p")))
 
+    def by_tenant(self) -> dict[str, dict[str, float]]:
+        """Per tenant: requests, tokens served (prompt + output), its share of them, TTFT mean and p99."""
+        groups: dict[str, list[RequestRecord]] = {}
+        for r in self.records:
+            groups.setdefault(r.tenant, []).append(r)
+        total = sum(r.prompt_len + r.num_output_tokens for r in self.finished) or 1
+        out = {}
+        for tenant, recs in sorted(groups.items()):
+            ttft = [r.ttft for r in recs if r.ttft is not None]
+            served = sum(r.prompt_len + r.num_output_tokens for r in recs if r.finish is not None)
+            out[tenant] = {"requests": len(recs), "tokens": served, "share": served / total,
+                           "mean_ttft_s": statistics.fmean(ttft) if ttft else math.nan,
+                           "p99_ttft_s": percentile(ttft, 99.0)}
+        return out
+
     def goodput(self, slo: dict[str, float]) -> float:
         """Requests per second that met every per-request bound of the SLO (ttft and tpot bounds)."""
         bounds = {m.partition("_")[0]: b for m, b in slo.items()}
@@ -193,6 +209,8 @@ class SimResult:
             out["mean_kv_usage"], out["peak_kv_usage"] = self.kv_usage()
         if self.spec is not None:
             out.update(self.spec)
+        if len({r.tenant for r in self.records}) > 1:
+            out["tenants"] = self.by_tenant()
         if slo:
             out["goodput_req_s"] = self.goodput(slo)
             out["slo_met"] = self.meets(slo)
@@ -208,7 +226,7 @@ def make_replica(config: SchedulerConfig, num_blocks: int, block_size: int, num_
     if speculative is not None and speculation is None:
         speculation = SimSpeculation()
     # as the engine does: the auto mode decides with the cost model's costs (unless the user set them)
-    core = EngineCore(Scheduler(config, kv, costs=preemption_costs(config, cost)),
+    core = EngineCore(Scheduler(config, kv, costs=preemption_costs(config, cost), token_weights=TokenWeights.of(cost)),
                       CostModelExecutor(cost, clock, oracle, speed, speculation if speculative else None), clock)
     if speculative is not None:   # the engine's Speculator, timed by the simulated clock (EngineCore.step)
         core.scheduler.speculator = make_speculator(speculative, speculation, cost)

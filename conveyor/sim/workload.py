@@ -27,6 +27,7 @@ class SimRequest:
     priority: int = 0
     prefix_group: int | None = None   # requests of one group share their first prefix_len prompt tokens
     prefix_len: int = 0
+    tenant: str = ""               # who it is served for (fair scheduling)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -140,6 +141,7 @@ class WorkloadSpec:
     prefix_len: int = 0                    # tokens of the shared prefix
     prefix_share: float = 1.0              # fraction of requests that belong to a group
     priorities: dict[int, float] = field(default_factory=dict)   # priority -> weight (empty: all 0)
+    tenants: dict[str, float] = field(default_factory=dict)      # tenant -> share of requests (empty: all "")
     seed: int = 0
 
     def generate(self) -> list[SimRequest]:
@@ -149,6 +151,8 @@ class WorkloadSpec:
         p_dist, o_dist = LengthDist.parse(self.prompt_len), LengthDist.parse(self.output_len)
         m_dist = LengthDist.parse(self.max_tokens) if self.max_tokens else None
         prios, weights = list(self.priorities) or [0], list(self.priorities.values()) or [1.0]
+        tenants, shares = list(self.tenants) or [""], list(self.tenants.values()) or [1.0]
+        who = random.Random(f"tenants/{self.seed}")   # (its own stream: lengths stay what they were)
         out = []
         for t in times:
             group = rng.randrange(self.prefix_groups) if self.prefix_groups and rng.random() < self.prefix_share \
@@ -158,8 +162,18 @@ class WorkloadSpec:
                 plen = max(plen, self.prefix_len + 1)
             olen = o_dist.sample(rng)
             max_tokens = max(olen, m_dist.sample(rng)) if m_dist else None
-            out.append(SimRequest(t, plen, olen, max_tokens, rng.choices(prios, weights)[0], group, self.prefix_len))
+            out.append(SimRequest(t, plen, olen, max_tokens, rng.choices(prios, weights)[0], group, self.prefix_len,
+                                  who.choices(tenants, shares)[0]))
         return out
+
+
+def parse_tenants(text: str) -> dict[str, float]:
+    """'heavy:10,light:1' -> {"heavy": 10.0, "light": 1.0}: each tenant's share of the requests."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, weight = item.rpartition(":") if ":" in item else (item, "", "1")
+        out[name] = float(weight or 1.0)
+    return out
 
 
 def parse_priorities(text: str) -> dict[int, float]:
@@ -175,7 +189,7 @@ def parse_priorities(text: str) -> dict[int, float]:
 
 def load_trace(path: str | Path) -> list[SimRequest]:
     """One JSON object per line: arrival, prompt_len, output_len (required); max_tokens, priority,
-    prefix_group, prefix_len (optional). Arrivals are made relative to the first one."""
+    prefix_group, prefix_len, tenant (optional). Arrivals are made relative to the first one."""
     reqs = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -184,7 +198,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
             d = json.loads(line)
             reqs.append(SimRequest(float(d["arrival"]), int(d["prompt_len"]), int(d["output_len"]),
                                    d.get("max_tokens"), int(d.get("priority", 0)), d.get("prefix_group"),
-                                   int(d.get("prefix_len", 0))))
+                                   int(d.get("prefix_len", 0)), str(d.get("tenant", ""))))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n}: bad trace line ({e}): {line[:200]}") from None
     reqs.sort(key=lambda r: r.arrival)
@@ -197,5 +211,6 @@ def load_trace(path: str | Path) -> list[SimRequest]:
 def save_trace(requests: list[SimRequest], path: str | Path) -> None:
     with open(path, "w") as f:
         for r in requests:
-            d = {k: v for k, v in asdict(r).items() if v is not None and not (k == "prefix_len" and not v)}
+            d = {k: v for k, v in asdict(r).items()
+                 if v is not None and not (k in ("prefix_len", "tenant") and not v)}
             f.write(json.dumps(d) + "\n")

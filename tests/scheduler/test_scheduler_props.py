@@ -21,6 +21,7 @@ Other files of this directory import ``Sim`` and ``make_request`` from here.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -388,6 +389,9 @@ class Sim:
         assert sched.counts.live == len({group(r) for r in sched.requests.values()})
         assert sched.counts.running == len({group(r) for r in sched.running})
         assert len(sched.running) <= self.config.max_num_seqs
+        # the tenants' ledger (scheduler/fairness.py), kept incrementally, equals a count from scratch
+        assert sched.tenants.live == dict(Counter(r.tenant for r in sched.requests.values()))
+        assert sched.tenants.running == dict(Counter(r.tenant for r in sched.running))
         n_waiting = 0
         for rid, r in self.all.items():
             if r.is_finished:
