@@ -66,20 +66,23 @@ def replica_load(num_unfinished_requests: int, kv_usage: float) -> float:
     return num_unfinished_requests + 0.5 * kv_usage
 
 
-def salt_extra_keys(cache_salt: str | None) -> bytes:
-    """The first block's extra keys for a cache salt, as the KV cache writes them (kv/manager.py)."""
-    if cache_salt is None:
-        return b""
-    salt = cache_salt.encode("utf-8", "surrogatepass")
-    return b"s" + len(salt).to_bytes(4, "little") + salt
+def salt_extra_keys(cache_salt: str | None, adapter: str | None = None) -> bytes:
+    """The first block's extra keys, as the KV cache writes them (kv/block_keys.py): the LoRA
+    adapter's key (``LoRARequest.cache_key``), then the cache salt, each tagged and length-prefixed."""
+    out = b""
+    for tag, value in ((b"l", adapter), (b"s", cache_salt)):
+        if value is not None:
+            raw = value.encode("utf-8", "surrogatepass")
+            out += tag + len(raw).to_bytes(4, "little") + raw
+    return out
 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int, max_blocks: int,
-                cache_salt: str | None = None) -> list[bytes]:
+                cache_salt: str | None = None, adapter: str | None = None) -> list[bytes]:
     """The KV-cache keys of the prompt's first 1..max_blocks full blocks (none under one block)."""
     full = min(max_blocks, len(token_ids) // block_size)
     keys: list[bytes] = []
-    parent, extra = ROOT_KEY, salt_extra_keys(cache_salt)
+    parent, extra = ROOT_KEY, salt_extra_keys(cache_salt, adapter)
     for i in range(full):
         ids = array("i", token_ids[i * block_size:(i + 1) * block_size])
         if sys.byteorder == "big":
@@ -167,7 +170,7 @@ class Router:
         self.index.apply(replica, events)
 
     def choose(self, token_ids: Sequence[int], loads: Sequence[float | None],
-               cache_salt: str | None = None) -> int:
+               cache_salt: str | None = None, adapter: str | None = None) -> int:
         """The replica (an index into `loads`) for this prompt; records its prefix there.
         Raises NoReplicaError when every load is None."""
         live = [i for i, load in enumerate(loads) if load is not None]
@@ -183,7 +186,8 @@ class Router:
         least = min(live, key=lambda i: (loads[i], i))
         if self.policy == "least-load":
             return least
-        keys = [external_hash(k) for k in prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt)]
+        keys = [external_hash(k) for k in prefix_keys(token_ids, self.block_size, self.prefix_blocks, cache_salt,
+                                                      adapter)]
         held, held_n = None, 0   # the live replica whose cache holds the longest run of the prompt's blocks
         if self.index is not None and keys:
             for i in live:

@@ -24,6 +24,7 @@ import msgspec
 from conveyor.core.engine_core import SeqUpdate
 from conveyor.core.stats import EngineStats
 from conveyor.errors import InvalidRequestError
+from conveyor.lora.request import LoRARequest
 from conveyor.request import RequestStatus
 from conveyor.sampling.params import SamplingParams
 
@@ -45,6 +46,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True, tag="add"):
     priority: int
     arrival_time: float
     cache_salt: str | None = None
+    tenant: str = ""                 # who it is served for (fair scheduling per tenant)
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
 
 
 class Finish(msgspec.Struct, frozen=True, kw_only=True, tag="finish"):

@@ -29,6 +29,8 @@ from conveyor.core.trace import StepTracer
 from conveyor.core.wire import EngineRequest, Finish
 from conveyor.kv.layout import KVLayout
 from conveyor.kv.manager import KVCacheManager
+from conveyor.lora.peft_config import LoRAAdapterError, read_peft_config
+from conveyor.lora.request import LoRARequest
 from conveyor.model.dtype import resolve_dtype
 from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
 from conveyor.model.cpu_kernels import kernels_digest
@@ -42,6 +44,7 @@ from conveyor.runner.model_runner import ModelRunner
 from conveyor.sampling.defaults import describe as describe_defaults, generation_defaults
 from conveyor.sampling.params import SamplingParams
 from conveyor.scheduler.costs import StepCostModel, preemption_costs
+from conveyor.scheduler.fairness import TokenWeights
 from conveyor.scheduler.scheduler import Scheduler
 from conveyor.spec.speculator import SpeculativeConfig, Speculator
 
@@ -73,6 +76,9 @@ class EngineBackend:
         logger.info(describe_defaults(self.generation_defaults, source))
         tp = None
         if config.tensor_parallel_size > 1:
+            if config.enable_lora:
+                raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (LoRA deltas are "
+                                 "computed on whole projections, not on a rank's slice)")
             if loaded is not None:
                 raise ValueError("tensor parallelism loads its slices itself: pass a model path, not a loaded model")
             tp, loaded = self._start_tensor_parallel(config, dtype)
@@ -94,14 +100,18 @@ class EngineBackend:
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_position_embeddings,
                                  kv.max_tokens)
         runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, num_host, config.device, dtype,
-                             layout=layout)
+                             layout=layout, enable_lora=config.enable_lora, max_loras=config.max_loras,
+                             max_lora_rank=config.max_lora_rank)
         if tp is not None:
             runner = self._tensor_parallel_executor(runner, tp)
         self.cost_model = load_cost_model(config.cost_model, self.model_name, self.dtype, torch.get_num_threads())
         warn_if_profile_stale(self.cost_model, self.loaded.model)
         costs = preemption_costs(config.scheduler, self.cost_model)   # user-set costs win over the profile
-        self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs), runner,
+        self.core = EngineCore(Scheduler(config.scheduler, kv, costs=costs,
+                                         token_weights=TokenWeights.of(self.cost_model)), runner,
                                time.monotonic, config.max_consecutive_step_failures)
+        self.core.scheduler.max_loras = config.max_loras if config.enable_lora else 0
+        self._checked_loras: dict[int, LoRARequest] = {}
         spec = SpeculativeConfig.parse(config.speculative_config)
         if spec is not None:
             self.core.scheduler.speculator = Speculator(spec, self.cost_model)
@@ -170,11 +180,13 @@ class EngineBackend:
     def add(self, req: EngineRequest) -> None:
         """Queue a request's sequences (all or none); it was validated by the front end."""
         assert len(req.seq_ids) == len(req.seeds) == req.params.num_seqs, "one seed per sequence"
+        if req.lora is not None:
+            self._check_lora(req.lora)
         p, seqs, leader = req.params, [], None
         for seq_id, seed in zip(req.seq_ids, req.seeds):
             seq = Request(seq_id, req.prompt_token_ids, p, seed=seed, priority=req.priority,
                           arrival_time=req.arrival_time, max_model_len=self.max_model_len, prefill_leader=leader,
-                          cache_salt=req.cache_salt)
+                          cache_salt=req.cache_salt, tenant=req.tenant, lora=req.lora)
             if p.structured_outputs is not None:
                 seq.grammar = self.grammars.matcher(p.structured_outputs)   # compiled once, cached
             leader = leader or seq
@@ -187,6 +199,18 @@ class EngineBackend:
         except BaseException:
             self.core.abort_requests(added)
             raise
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """Refuse a request whose adapter the runner would refuse (its config; once per adapter id),
+        before it can fail a step with others in it."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora", "model")
+        if self._checked_loras.get(lora.lora_int_id) != lora:
+            try:
+                read_peft_config(lora.lora_path, lora.lora_name, self.config.max_lora_rank)
+            except LoRAAdapterError as e:
+                raise InvalidRequestError(str(e), "model") from None
+            self._checked_loras[lora.lora_int_id] = lora
 
     def finish(self, command: Finish) -> list[SeqUpdate]:
         """End sequences the front end finished (a stop string, a failed sibling) or the caller aborted;

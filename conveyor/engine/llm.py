@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from tqdm import tqdm
 from conveyor.config import EngineConfig
 from conveyor.engine.engine import Engine, InvalidRequestError, ProcessedRequest
 from conveyor.frontend.outputs import RequestOutput
+from conveyor.lora.request import LoRARequest
 from conveyor.core.stats import EngineStats
 from conveyor.sampling.params import SamplingParams
 
@@ -85,13 +87,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         Every prompt is checked before any is queued (ValueError naming the prompt); if the
-        call fails or is interrupted, none of its requests stays queued.
+        call fails or is interrupted, none of its requests stays queued. `lora_request`: the LoRA
+        adapter all prompts run under, or one per prompt (None: the base model); needs
+        ``enable_lora``.
         """
-        inputs = self._inputs(prompts, sampling_params, priority)
+        inputs = self._inputs(prompts, sampling_params, priority, lora_request)
         ids: list[str] = []
         try:
             for inp, prio in inputs:
@@ -102,8 +107,9 @@ class LLM:
                 self.engine.abort_request(rid, report=False)
             raise
 
-    def _inputs(self, prompts, sampling_params, priority) -> list[tuple[ProcessedRequest, int]]:
+    def _inputs(self, prompts, sampling_params, priority, lora_request=None) -> list[tuple[ProcessedRequest, int]]:
         prompts = prompt_list(prompts)
+        loras = self._loras(lora_request, len(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -125,10 +131,29 @@ class LLM:
         inputs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             try:
-                inputs.append((self.engine.inputs.process(prompt, sp), int(priority[i])))
+                processed = self.engine.inputs.process(prompt, sp)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}", e.param, e.code) from None
+            if loras[i] is not None:
+                processed = dataclasses.replace(processed, lora=loras[i])
+            inputs.append((processed, int(priority[i])))
         return inputs
+
+    def _loras(self, lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        elif isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise InvalidRequestError(f"got {len(loras)} LoRA requests for {n} prompts", "lora_request")
+        else:
+            raise InvalidRequestError("lora_request must be a LoRARequest, a list of them (one per prompt) or None; "
+                                      f"got {type(lora_request).__name__}", "lora_request")
+        if not all(x is None or isinstance(x, LoRARequest) for x in loras):
+            raise InvalidRequestError("lora_request must hold LoRARequest objects (or None)", "lora_request")
+        if any(x is not None for x in loras) and not self.engine.config.enable_lora:
+            raise InvalidRequestError("LoRA adapters are off: build the LLM with enable_lora=True", "lora_request")
+        return loras
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

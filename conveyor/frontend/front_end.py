@@ -56,7 +56,7 @@ class FrontEnd:
         self.outputs.add(request_id, inp.prompt, inp.prompt_token_ids, p, seq_ids, arrival_time)
         return EngineRequest(request_id=request_id, prompt_token_ids=inp.prompt_token_ids, params=p,
                              seq_ids=seq_ids, seeds=seeds, priority=int(priority), arrival_time=arrival_time,
-                             cache_salt=inp.cache_salt)
+                             cache_salt=inp.cache_salt, tenant=inp.tenant, lora=inp.lora)
 
     def forget(self, request_id: str) -> None:
         """Drop a registered request that never reached the core (its add failed)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from conveyor.frontend.stop_strings import compile_stops
 from conveyor.errors import InvalidRequestError
+from conveyor.lora.request import LoRARequest
 from conveyor.sampling.params import SamplingParams
 from conveyor.sampling.structured import GrammarBackend
 
@@ -48,6 +49,8 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None   # shares prefix-cache blocks only with requests of the same salt
+    tenant: str = ""                # who it is served for (the scheduler's fairness between tenants)
+    lora: LoRARequest | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 def cache_salt_of(prompt: object, given: str | None = None) -> str | None:

@@ -14,7 +14,9 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from conveyor.lora.request import adapter_key
 from conveyor.request import Request
+from conveyor.routing import salt_extra_keys
 
 ROOT_HASH = bytes(32)
 assert array("i").itemsize == 4
@@ -23,11 +25,9 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 def extra_keys(request: Request) -> bytes:
     """What besides its tokens changes a sequence's KV, as tagged, length-prefixed fields that go
-    into its first block's key. Anything else that would (adapters, multimodal inputs) joins here."""
-    if request.cache_salt is None:
-        return b""
-    salt = request.cache_salt.encode("utf-8", "surrogatepass")
-    return b"s" + len(salt).to_bytes(4, "little") + salt
+    into its first block's key: its LoRA adapter and its cache salt (routing.salt_extra_keys, which the
+    router computes alike). Anything else that would (multimodal inputs) joins here."""
+    return salt_extra_keys(request.cache_salt, adapter_key(request.lora))
 
 
 def block_content(tokens: Sequence[int], extra: bytes = b"") -> bytes:

@@ -38,6 +38,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from conveyor.lora.request import LoRARequest
 from conveyor.routing import external_hash   # a key as the events carry it (the router reads them back)
 
 logger = logging.getLogger(__name__)
@@ -59,21 +60,25 @@ class KVEventRecorder:
         self._host: Counter[int] = Counter()   # hash -> swapped-out copies in host memory
 
     def stored(self, keys: Sequence[bytes], parent: bytes | None, token_ids: list[int], salt: str | None,
-               medium: str = MEDIUM_DEVICE) -> None:
+               medium: str = MEDIUM_DEVICE, lora: LoRARequest | None = None, first: bool = False) -> None:
         """Consecutive full blocks of one sequence became reusable; `parent`: the key before the
         first of them (None: they start the sequence); `salt`: the sequence's cache salt, given
-        only when the first block is the sequence's first."""
+        only when the first block is the sequence's first (`first`); `lora`: its adapter. As vLLM
+        0.32 reports them: the adapter's id and name, and the first block's extra keys [lora name,
+        salt] (each only when set)."""
         hashes = [external_hash(k) for k in keys]
         if medium == MEDIUM_HOST:
             self._host.update(hashes)
         extra_keys: list = [None] * len(hashes)
-        if salt is not None:
-            extra_keys[0] = [salt]
+        head = ([lora.lora_name] if lora is not None and first else []) + ([salt] if salt is not None else [])
+        if head:
+            extra_keys[0] = head
         self.pending.append({
             "type": "BlockStored", "block_hashes": hashes,
             "parent_block_hash": None if parent is None else external_hash(parent),
-            "token_ids": token_ids, "block_size": self.block_size, "lora_id": None, "medium": medium,
-            "lora_name": None, "extra_keys": extra_keys, "group_idx": 0})
+            "token_ids": token_ids, "block_size": self.block_size,
+            "lora_id": None if lora is None else lora.lora_int_id, "medium": medium,
+            "lora_name": None if lora is None else lora.lora_name, "extra_keys": extra_keys, "group_idx": 0})
 
     def removed(self, keys: Sequence[bytes], medium: str = MEDIUM_DEVICE) -> None:
         hashes = [external_hash(k) for k in keys]

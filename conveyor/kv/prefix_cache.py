@@ -53,7 +53,7 @@ def report_stored(events: KVEventRecorder, request: Request, hashes: list[bytes]
     tokens = request.all_token_ids[start * block_size:end * block_size]
     parent = hashes[start - 1] if start else None
     salt = request.cache_salt if start == 0 else None
-    events.stored(hashes[start:end], parent, tokens, salt, medium)
+    events.stored(hashes[start:end], parent, tokens, salt, medium, request.lora, start == 0)
 
 
 class _StoredRuns:

@@ -55,6 +55,7 @@ from conveyor.frontend.outputs import CompletionOutput, RequestOutput
 from conveyor.transport.process import ProcessEngine
 from conveyor.core.stats import EngineStats
 from conveyor.kv.events import binds, offset_endpoint
+from conveyor.lora.request import adapter_key
 from conveyor.model.loader import load_tokenizer
 from conveyor.routing import Router, policy_name
 from conveyor.sampling.params import SamplingParams
@@ -573,17 +574,17 @@ def _prefix_router_class():
             if not candidate_replicas:
                 return []
             ids: list[int] = []
-            salt = None
+            salt = adapter = None
             if pending_request is not None and pending_request.args:
                 first = pending_request.args[0]   # generate(request, ...): the front end's ProcessedRequest
                 if isinstance(first, ProcessedRequest):
-                    ids, salt = first.prompt_token_ids, first.cache_salt
+                    ids, salt, adapter = first.prompt_token_ids, first.cache_salt, adapter_key(first.lora)
             by_index = {self._index_of(r.replica_id.unique_id): r for r in candidate_replicas}
             loads: list[float | None] = [None] * len(self._index)
             for i, r in by_index.items():
                 loads[i] = float(self.in_flight(r.replica_id))
             with self._lock:
-                choice = self._policy.choose(ids, loads, salt)
+                choice = self._policy.choose(ids, loads, salt, adapter)
             rid = _request_id(pending_request)
             if rid is not None:
                 self._load(by_index[choice].replica_id).chosen[rid] = time.monotonic()

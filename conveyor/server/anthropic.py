@@ -303,7 +303,7 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request)
     request = process_request(state.client, prompt, params, "messages", "max_tokens")
     params = request.params
     mid = f"msg_{uuid.uuid4().hex}"
-    streams = submit(state.client, mid, [request], 0)
+    streams = submit(state.client, mid, [request], 0, state.origin(raw, req.model), state.tenants)
     if req.stream:
         return EngineStreamingResponse(_events(state, req, model, mid, prompt, tools, streams,
                                                parser_for(state.reasoning_parser, params)), state.client, streams)

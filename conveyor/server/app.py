@@ -24,6 +24,7 @@ from conveyor.server.scoring import register_scoring_routes
 from conveyor.server.shutdown import Drain
 from conveyor.server.errors import APIError, InternalErrorMiddleware, bad_request, install_error_handlers
 from conveyor.server.inputs import chat_prompt, encode, off_loop_if_big, text_chars
+from conveyor.server.loras import LoRARegistry, parse_lora_modules, register_lora_routes, runtime_updates_allowed
 from conveyor.server.metrics import ServerMetrics, log_stats
 from conveyor.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -31,6 +32,7 @@ from conveyor.server.protocol import (ChatCompletionRequest, ChatCompletionRespo
                                       EmbeddingResponse, HealthStatus, ModelCard, ModelList, ReplicaUp,
                                       TokenizeRequest, TokenizeResponse)
 from conveyor.server.state import ServerState
+from conveyor.server.tenants import Tenants
 
 
 def build_app(client: EngineClient, config: ServerConfig | None = None, *, tracer_provider: Any = None,
@@ -43,14 +45,26 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
         options["served_model_name"] = options.pop("served_model_names")
     config = (config or ServerConfig()).replace(**options)
     names = list(config.served_model_name or [client.model_name])
-    state = ServerState(client, names, ServerMetrics(lambda: replica_states(client), names[0]),
-                        config.tool_call_parser, config.reasoning_parser)
+    metrics = ServerMetrics(lambda: replica_states(client), names[0])
+    tenants = Tenants(config.api_keys, config.tenant_max_requests, config.tenant_metrics_max, metrics.registry,
+                      names[0])
+    loras = LoRARegistry(client.stats().max_lora > 0, names)
+    for name, path in parse_lora_modules(config.lora_modules):
+        if not loras.enabled:
+            raise ValueError("--lora-modules needs the engine started with --enable-lora")
+        try:
+            loras.add(name, path)
+        except APIError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+    state = ServerState(client, names, metrics, config.tool_call_parser, config.reasoning_parser, tenants, loras)
     replicas = getattr(client, "replicas", None)   # data parallel: each replica's requests under its index
     if isinstance(replicas, list) and all(hasattr(r, "add_finished_listener") for r in replicas):
         for r, listener in zip(replicas, state.metrics.finished_listeners(len(replicas))):
             r.add_finished_listener(listener)
+            r.add_finished_listener(tenants.finished)
     else:
         client.add_finished_listener(state.metrics.observe_finished)
+        client.add_finished_listener(tenants.finished)
 
     # The one shutdown (server/shutdown.py): started by a signal, or here at the lifespan's end.
     drain = Drain(client, config.shutdown_timeout)
@@ -72,7 +86,7 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_keys)
     app.add_middleware(InternalErrorMiddleware)
     if config.logs_requests or tracer_provider is not None:
         observe.install(app, client, names[0], config.logs_requests, config.log_request_text, tracer_provider)
@@ -100,9 +114,12 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
 
     register_scoring_routes(app, state)
 
+    if runtime_updates_allowed(config.allow_runtime_lora_updating):
+        register_lora_routes(app, loras)
+
     @app.get("/v1/models", responses=openapi.responses(openapi.ANY))
     async def models() -> ModelList:
-        return ModelList(data=[_card(state, n) for n in names])
+        return ModelList(data=[_card(state, n) for n in [*names, *loras.adapters]])
 
     @app.get("/v1/models/{model:path}", responses=openapi.responses(openapi.LOOKUP))
     async def model(model: str) -> ModelCard:
@@ -168,4 +185,8 @@ def replica_states(client: EngineClient) -> list[tuple[EngineStats, bool]]:
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
+    lora = state.loras.get(name) if state.loras is not None else None
+    if lora is not None:   # as vLLM lists an adapter: its path as root, the base model as parent
+        return ModelCard(id=name, root=lora.lora_path, parent=state.model_name,
+                         max_model_len=state.client.max_model_len)
     return ModelCard(id=name, root=state.client.model_name, max_model_len=state.client.max_model_len)

@@ -55,7 +55,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = request.params
     job = _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs, tools,
                parser_for(state.reasoning_parser, params), prompt_text)
-    streams = submit(state.client, job.id, [request], req.priority)
+    streams = submit(state.client, job.id, [request], req.priority, state.origin(raw, req.model, req.user),
+                     state.tenants)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage), state.client, streams)

@@ -27,7 +27,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = await off_loop_if_big(text_chars(req.prompt), completion_prompts, state.client, req.prompt)
     requests = [process_request(state.client, p, params, "prompt", cache_salt=req.cache_salt) for p in prompts]
     job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, params.logprobs)
-    streams = submit(state.client, job.id, requests, req.priority)
+    streams = submit(state.client, job.id, requests, req.priority, state.origin(raw, req.model, req.user),
+                     state.tenants)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
         return EngineStreamingResponse(_stream(state, job, streams, usage, req.echo, req.max_tokens == 0,

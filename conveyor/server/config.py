@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.config_fields import add_options, check_choice, option, options_from_args
+from conveyor.server.loras import parse_lora_modules
 from conveyor.server.reasoning import PARSERS as REASONING_PARSERS
 from conveyor.server.response_store import MAX_STORED_BYTES, MAX_STORED_RESPONSES
 
@@ -29,7 +30,8 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to bind (0.0.0.0 exposes the server to the network)")
     port: int = option(8000, "TCP port to listen on")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on API routes (default: "
-                                       "$CONVEYOR_API_KEY, else open)", env="CONVEYOR_API_KEY")
+                                       "$CONVEYOR_API_KEY, else open); several keys as KEY1,KEY2,...: each "
+                                       "is then its own tenant", env="CONVEYOR_API_KEY")
     served_model_name: list[str] | None = option(
         None, "model name(s) clients must send; the first is reported (default: the model's name)")
     max_waiting: int = option(256, "queued sequences beyond which new requests get 503 + Retry-After "
@@ -74,6 +76,16 @@ class ServerConfig:
                                    "replica whose cache holds its first KV blocks (as the replicas' KV events say) "
                                    "or that was last sent them (prefix-cache hits), unless that one is much busier",
                          choices=ROUTERS)
+    tenant_max_requests: int = option(0, "requests of one tenant in flight at once (0: no cap); beyond it the "
+                                         "tenant gets 429 + Retry-After, others are unaffected")
+    tenant_metrics_max: int = option(32, "tenants that get their own label on the per-tenant metrics (later ones "
+                                         "are counted under 'other')")
+    lora_modules: list[str] | None = option(
+        None, "LoRA adapters served by name, as name=path (a PEFT directory) ...; needs --enable-lora; clients "
+              "pick one with model=name")
+    allow_runtime_lora_updating: bool = option(
+        False, "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which is honoured too)")
     ray: bool = option(False, "serve on Ray Serve (needs the 'ray' extra): --data-parallel-size engine replicas "
                               "placed, health-checked and restarted by Ray, behind Conveyor's API on Serve's proxy; "
                               "starts a local Ray, or joins $RAY_ADDRESS (docs/scale-out.md)")
@@ -86,7 +98,7 @@ class ServerConfig:
 
         if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        for name in ("max_waiting", "log_interval", "shutdown_timeout"):
+        for name in ("max_waiting", "log_interval", "shutdown_timeout", "tenant_max_requests", "tenant_metrics_max"):
             at_least(name, 0)
         for name in ("max_body_bytes", "responses_max_stored", "responses_max_stored_bytes", "data_parallel_size"):
             at_least(name, 1)
@@ -100,8 +112,13 @@ class ServerConfig:
             if value is not None and (isinstance(value, str) or not value or not all(isinstance(v, str) and v
                                                                                    for v in value)):
                 raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {value!r}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty (leave it unset for an open server)")
+        if self.api_key is not None and not all(self.api_keys):
+            raise ValueError("api_key must not be empty, nor hold an empty key (leave it unset for an open server)")
+        parse_lora_modules(self.lora_modules)   # a malformed one fails here
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [] if self.api_key is None else [k.strip() for k in self.api_key.split(",")]
 
     @property
     def logs_requests(self) -> bool:

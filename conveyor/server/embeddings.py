@@ -24,7 +24,8 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, raw: Reque
     prompts = await off_loop_if_big(text_chars(req.input), completion_prompts, state.client, req.input, "input")
     params = SamplingParams(max_tokens=1, pooling=req.pooling)
     requests = [process_request(state.client, p, params, "input") for p in prompts]
-    streams = submit(state.client, f"embd-{uuid.uuid4().hex}", requests, 0)
+    streams = submit(state.client, f"embd-{uuid.uuid4().hex}", requests, 0, state.origin(raw, req.model, req.user),
+                     state.tenants)
 
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     data = []

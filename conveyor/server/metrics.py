@@ -169,10 +169,11 @@ def vllm_families(states: list[tuple[EngineStats, bool]], model_name: str) -> It
     for i, (s, _) in enumerate(states):
         info.add_metric([str(s.block_size), str(s.num_kv_blocks), str(s.num_host_kv_blocks), str(i)], 1.0)
     yield info
-    lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (no adapters here: "
-                             "the value is the time of the scrape).",
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests: adapters with sequences "
+                             "queued and running (comma-separated names; the value is the time of the scrape).",
                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-    lora.add_metric(["0", "", ""], time.time())
+    total = EngineStats.combine([s for s, _ in states]) if states else EngineStats()
+    lora.add_metric([str(total.max_lora), ",".join(total.lora_waiting), ",".join(total.lora_running)], time.time())
     yield lora
 
 

@@ -58,23 +58,30 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (what Anthropic's
-    clients send); paths in `open_paths` stay open."""
+    """401 unless `Authorization: Bearer <key>` or `x-api-key: <key>` (what Anthropic's clients send)
+    holds one of the keys; the key it holds goes to the request's state (``request.state.api_key``: its
+    tenant, server/tenants.py). Paths in `open_paths` stay open."""
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str] = ("/health", "/metrics")):
+    def __init__(self, app: ASGIApp, api_key: str | list[str], open_paths: Collection[str] = ("/health", "/metrics")):
         self.app = app
-        self.key = api_key.encode()
-        self.expected = b"Bearer " + self.key
+        self.keys = [k.encode() for k in ([api_key] if isinstance(api_key, str) else api_key)]
         self.open_paths = set(open_paths)
+
+    def _match(self, headers: dict[bytes, bytes]) -> bytes | None:
+        bearer, x_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        found = None
+        for key in self.keys:   # (every key compared, in constant time each)
+            if secrets.compare_digest(bearer, b"Bearer " + key) | secrets.compare_digest(x_key, key):
+                found = key
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        bearer_ok = secrets.compare_digest(headers.get(b"authorization", b""), self.expected)
-        x_key_ok = secrets.compare_digest(headers.get(b"x-api-key", b""), self.key)
-        if not (bearer_ok or x_key_ok):
+        key = self._match(dict(scope["headers"]))
+        if key is None:
             err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>' or "
                                 "'x-api-key: <key>')", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             return await error_response(scope, err)(scope, receive, send)
+        scope.setdefault("state", {})["api_key"] = key.decode()
         await self.app(scope, receive, send)

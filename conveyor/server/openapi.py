@@ -26,6 +26,7 @@ _WHEN = {
          "`x-api-key: <key>`.",
     404: "Not found: a model this server does not serve, or a stored response it does not hold.",
     413: "The request body is larger than --max-body-bytes.",
+    429: "The request's tenant already has --tenant-max-requests requests in flight; with a Retry-After header.",
     500: "Internal error: the engine failed the request, or an unexpected exception (`code` internal_error).",
     503: "Overloaded (the queue is full, or the request waited longer than its max_queue_time), shutting down, or "
          "the engine is dead; with a Retry-After header where retrying can succeed.",
@@ -39,7 +40,7 @@ ANY = (401, 500)
 LOOKUP = (404, *ANY)                  # names a stored object (a model, a response) in its path
 CHECKED = (400, *LOOKUP)              # ... and checks its parameters or the object's state (paging, cancel)
 BODY = (400, 404, 413, *ANY)          # a JSON body, which may name a model (404 for one not served)
-ENGINE = (503, *BODY)                 # submits work to the engine
+ENGINE = (429, 503, *BODY)            # submits work to the engine (429: a tenant over its cap)
 
 HEALTHY = ("The engine runs and accepts work: an empty body (under data parallelism, JSON saying which replicas "
            "are up).")

@@ -307,6 +307,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "conveyor"
     root: str | None = None
+    parent: str | None = None   # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

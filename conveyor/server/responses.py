@@ -413,7 +413,8 @@ async def create_response(state: ServerState, store: ResponseStore, req: Respons
         if req.store is not False:
             store.put(job.id, StoredResponse(body, context, len(own)))
 
-    streams = submit(state.client, job.id, [request], req.priority)
+    streams = submit(state.client, job.id, [request], req.priority, state.origin(raw, req.model, req.user),
+                     state.tenants)
     if req.background:
         entry = StoredResponse(job.body("queued", []), context, len(own), background=True)
         store.put(job.id, entry)

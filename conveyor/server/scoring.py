@@ -151,12 +151,14 @@ def sigmoid(x: float) -> float:
 
 
 async def score_pairs(state: ServerState, raw: Request, queries: list[str], documents: list[str],
-                      truncate: int | None, priority: int, names: tuple[str, str]) -> tuple[list[float], int]:
+                      truncate: int | None, priority: int, names: tuple[str, str],
+                      model: str | None = None, user: str | None = None) -> tuple[list[float], int]:
     """sigmoid(PMI) per (query, document) pair, and the prompt tokens it took."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, truncate_prompt_tokens=truncate)
     chars = text_chars(queries, documents)
     requests, counts, prior_of = await off_loop_if_big(chars, pair_prompts, state, queries, documents, params, names)
-    streams = submit(state.client, f"score-{uuid.uuid4().hex}", requests, priority)
+    streams = submit(state.client, f"score-{uuid.uuid4().hex}", requests, priority, state.origin(raw, model, user),
+                     state.tenants)
     finals = await cancel_on_disconnect(raw, collect_finals(state.client, streams))
     means = [mean_logprob(out, n) for out, n in zip(finals, counts)]
     pairs = means[len(means) - len(queries):]
@@ -182,7 +184,7 @@ async def create_score(state: ServerState, req: ScoreRequest, raw: Request) -> R
         raise bad_request(f"text_1 and text_2 must have the same length (or one of them a single text), got "
                           f"{len(queries)} and {len(documents)}", "text_2")
     scores, tokens = await score_pairs(state, raw, queries, documents, req.truncate_prompt_tokens, req.priority,
-                                       ("text_1", "text_2"))
+                                       ("text_1", "text_2"), req.model, req.user)
     body = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=model,
                          data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                          usage=UsageInfo(prompt_tokens=tokens, total_tokens=tokens))
@@ -195,7 +197,7 @@ async def create_rerank(state: ServerState, req: RerankRequest, raw: Request) ->
         raise bad_request("documents must not be empty", "documents")
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     scores, tokens = await score_pairs(state, raw, [req.query] * len(docs), docs, req.truncate_prompt_tokens,
-                                       req.priority, ("query", "documents"))
+                                       req.priority, ("query", "documents"), req.model, req.user)
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or None]
     results = [RerankResult(index=i, relevance_score=scores[i],
                             document=RerankDocument(text=docs[i]) if req.return_documents else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from conveyor.frontend.outputs import RequestOutput
 from conveyor.scheduler.deadlines import QUEUE_TIMEOUT
 from conveyor.server import observe
 from conveyor.server.errors import APIError
+from conveyor.server.tenants import Origin, Tenants
 from conveyor.frontend.inputs import ProcessedRequest
 
 T = TypeVar("T")
 
 RETRY_AFTER_S = 1
+NO_ORIGIN = Origin()
 DONE = "data: [DONE]\n\n"
 
 
@@ -40,13 +43,22 @@ class Job:
     num_logprobs: int | None
 
 
-def submit(client: EngineClient, base_id: str, requests: list[ProcessedRequest], priority: int) -> list[RequestStream]:
-    """One engine request per processed prompt (`base_id`-i); all or none: on failure the rest is aborted."""
+def submit(client: EngineClient, base_id: str, requests: list[ProcessedRequest], priority: int,
+           origin: Origin = NO_ORIGIN, tenants: Tenants | None = None) -> list[RequestStream]:
+    """One engine request per processed prompt (`base_id`-i), for `origin`'s tenant and adapter; all or
+    none: on failure the rest is aborted. `tenants`: the server's book of them (429 for a tenant over
+    its cap; every request counted until it finishes)."""
+    if tenants is not None:
+        tenants.admit(origin.tenant, len(requests))
+    if origin != NO_ORIGIN:
+        requests = [dataclasses.replace(r, tenant=origin.tenant, lora=origin.lora) for r in requests]
     streams: list[RequestStream] = []
     try:
         for i, request in enumerate(requests):
             rid = base_id if len(requests) == 1 else f"{base_id}-{i}"
             streams.append(client.add_request(request, None, rid, priority))
+            if tenants is not None:
+                tenants.started(rid, origin.tenant)
     except Overloaded as e:
         abort(client, streams)
         raise APIError(503, f"the server is overloaded: {e}; retry later", code="overloaded",

@@ -47,6 +47,7 @@ from conveyor.frontend.outputs import RequestOutput
 from conveyor.transport.process import ProcessEngine
 from conveyor.core.stats import EngineStats
 from conveyor.kv.events import binds, offset_endpoint
+from conveyor.lora.request import adapter_key
 from conveyor.routing import POLICIES, NoReplicaError, replica_load
 from conveyor.sampling.params import SamplingParams
 
@@ -58,9 +59,10 @@ ROUTERS = POLICIES
 class Router(routing.Router):
     """The shared routing policy (conveyor/routing.py); EngineDeadError when every replica is down."""
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[float | None], cache_salt: str | None = None) -> int:
+    def choose(self, token_ids: Sequence[int], loads: Sequence[float | None], cache_salt: str | None = None,
+               adapter: str | None = None) -> int:
         try:
-            return super().choose(token_ids, loads, cache_salt)
+            return super().choose(token_ids, loads, cache_salt, adapter)
         except NoReplicaError as e:
             raise EngineDeadError(str(e)) from None
 
@@ -124,7 +126,7 @@ class DataParallelEngine:
             if request_id in self._owner:
                 raise ValueError(f"duplicate request id {request_id!r}")
             loads = self.loads()
-            order = [self.router.choose(prompt.prompt_token_ids, loads, prompt.cache_salt)]
+            order = [self.router.choose(prompt.prompt_token_ids, loads, prompt.cache_salt, adapter_key(prompt.lora))]
             order += sorted((i for i, load in enumerate(loads) if load is not None and i != order[0]),
                             key=lambda i: loads[i])
             last: Exception | None = None

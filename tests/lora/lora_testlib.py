@@ -78,6 +78,18 @@ def write_adapter(hf_base: torch.nn.Module, directory: Path, spec: AdapterSpec, 
     return model
 
 
+def with_tokenizer(directory: Path) -> str:
+    """The Engine loads a tokenizer with the model: give the tiny base the demo model's."""
+    import shutil
+
+    from conveyor.model.loader import demo_model_path, model_directory
+
+    for f in model_directory(demo_model_path()).glob("tokenizer*"):
+        if not (directory / f.name).exists():
+            shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
 def load_peft(hf_base: torch.nn.Module, directory: Path) -> torch.nn.Module:
     return PeftModel.from_pretrained(copy.deepcopy(hf_base), str(directory)).eval()
 

@@ -40,7 +40,7 @@ EXAMPLES = max(1, int(10 * float(os.environ.get("CONVEYOR_HYPOTHESIS_SCALE", "1"
 def fuzzed(demo_model) -> Iterator[ServerHandle]:
     """A server whose context is 64 tokens, so that whatever the fuzzer asks, a generation is short."""
     handle = start_server(demo_model, num_kv_blocks=64, engine_options={"max_model_len": 64}, api_key=KEY,
-                          max_body_bytes=MAX_BODY)
+                          max_body_bytes=MAX_BODY, allow_runtime_lora_updating=True)
     yield handle
     handle.stop()
 
@@ -77,7 +77,7 @@ def test_every_route_is_documented(fuzzed, doc):
     routes = {(m, r.path_format) for r in fuzzed.server.config.app.routes if hasattr(r, "methods")
               for m in r.methods if r.include_in_schema and m != "HEAD"}
     assert {(m, p) for m, p, _ in _operations(doc)} == routes
-    assert len(routes) == 22
+    assert len(routes) == 24
 
 
 def test_every_operation_documents_the_errors_it_sends_in_their_shape(doc):
@@ -103,6 +103,8 @@ def _errors_sent(method: str, path: str, operation: dict) -> set[int]:
         sent.add(400)
     if path in ENGINE_PATHS or path == "/health":   # overloaded, shutting down, the engine dead
         sent.add(503)
+    if path in ENGINE_PATHS:   # a tenant over --tenant-max-requests
+        sent.add(429)
     return sent
 
 
