@@ -47,7 +47,7 @@ ALLOWED: dict[str, frozenset[str]] = {k: frozenset(v) for k, v in {
     "engine": ("config", "core", "errors", "frontend", "kv", "lora", "model", "parallel", "paths", "request", "routing",
                "runner", "sampling", "scheduler", "spec", "tokenizer"),
     "transport": ("config", "core", "engine", "frontend", "kv", "lora", "model", "routing", "sampling"),
-    "sim": ("config", "core", "kv", "paths", "request", "routing", "runner", "sampling",
+    "sim": ("config", "core", "kv", "lora", "paths", "request", "routing", "runner", "sampling",
             "scheduler", "spec"),   # runner/state.py
     "plot": ("core",),
     "profile": ("core", "engine", "model", "sampling", "scheduler"),

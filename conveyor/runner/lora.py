@@ -15,6 +15,7 @@ from conveyor.lora.adapter import read_adapter
 from conveyor.lora.manager import LoRAManager
 from conveyor.lora.request import LoRARequest
 from conveyor.model.llama import LlamaForCausalLM
+from conveyor.model.cpu_kernels import cpu_kernels
 from conveyor.model.lora import AdapterDeltas, LoRABatch, Rows, base_shapes, fuse
 from conveyor.runner.inputs import ModelInputs
 from conveyor.runner.state import RunnerState
@@ -27,6 +28,8 @@ class RunnerLoRAs:
         cfg, dtype, base = model.cfg, model.dtype, base_shapes(model.cfg)
         self.device = device
         self.state = state
+        # the C++ kernel for small steps (model/lora.py); off: the grouped torch ops for every step
+        self.kernel = cpu_kernels(device, dtype) is not None
         self.manager: LoRAManager[AdapterDeltas] = LoRAManager(
             max_loras, lambda lora: fuse(read_adapter(lora, base, max_lora_rank, dtype, device), cfg),
             self._in_use)
@@ -42,11 +45,16 @@ class RunnerLoRAs:
         if not distinct:
             return None
         adapters = self.manager.acquire(distinct)
+        group = {lora.lora_int_id: g for g, lora in enumerate(distinct)}
+        of_seq = np.array([-1 if lora is None else group[lora.lora_int_id] for lora in loras], dtype=np.int32)
+        of_row = np.repeat(of_seq[inputs.order], inputs.num_tokens)   # (laid-out order: prefills, then decodes)
+        if self.kernel:   # the rows under an adapter, sorted by it (the base model's, -1, first: dropped)
+            order = np.argsort(of_row, kind="stable").astype(np.int32)
+            bounds = np.searchsorted(of_row[order], np.arange(-1, len(distinct) + 1)).astype(np.int32)
+            return LoRABatch(adapters, [], torch.from_numpy(order[bounds[1]:]),
+                             torch.from_numpy(bounds[1:] - bounds[1]))
         if len(distinct) == 1 and all(lora is not None for lora in loras):
             return LoRABatch(adapters, [slice(None)])   # every row under one adapter: no gather
-        group = {lora.lora_int_id: g for g, lora in enumerate(distinct)}
-        of_seq = np.array([-1 if lora is None else group[lora.lora_int_id] for lora in loras])
-        of_row = np.repeat(of_seq[inputs.order], inputs.num_tokens)   # (laid-out order: prefills, then decodes)
         return LoRABatch(adapters, [self._rows(np.flatnonzero(of_row == g)) for g in range(len(distinct))])
 
     def _rows(self, idx: np.ndarray) -> Rows:

@@ -120,7 +120,8 @@ class Setup:
         return simulate(workload, c.scheduler, blocks, c.block_size, host, cost or self.cost,
                         replicas=replicas or self.args.replicas, router=self.args.router,
                         prefix_caching=c.enable_prefix_caching, trace=trace, seed=self.args.seed,
-                        speculative=self.speculative, speculation=self.speculation)
+                        speculative=self.speculative, speculation=self.speculation,
+                        max_loras=c.max_loras if c.enable_lora else 0)
 
     def describe_speculation(self) -> str:
         if self.speculative is None:
@@ -135,7 +136,8 @@ class Setup:
 def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
     return WorkloadSpec(args.num_requests, args.rate, args.arrival, args.prompt_len, args.output_len,
                         args.max_tokens, args.prefix_groups, args.prefix_len, args.prefix_share,
-                        parse_priorities(args.priorities or ""), parse_tenants(args.tenants or ""), args.seed)
+                        parse_priorities(args.priorities or ""), parse_tenants(args.tenants or ""), args.adapters,
+                        args.seed)
 
 
 def make_workload(args: argparse.Namespace, spec: WorkloadSpec):
@@ -424,6 +426,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--priorities", help="priority:weight,... e.g. 0:0.9,1:0.1")
     w.add_argument("--tenants", help="tenant:share,... of the requests, e.g. heavy:10,light:1 (scheduled by "
                                      "--tenant-fairness; the summary reports each tenant)")
+    w.add_argument("--adapters", type=int, default=0, help="spread the requests over N LoRA adapters (with "
+                                                           "--enable-lora: at most --max-loras run at once)")
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("speculative decoding (with --speculative-config, the engine's option)")
     s.add_argument("--spec-acceptance", type=str, default=None, metavar="P",

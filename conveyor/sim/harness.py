@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from conveyor.core.engine_core import EngineCore
 from conveyor.core.trace import StepTracer
 from conveyor.kv.events import KVEventRecorder
+from conveyor.lora.request import LoRARequest
 from conveyor.request import Request
 from conveyor.routing import Router, replica_load
 from conveyor.runner.state import RunnerState
@@ -134,8 +135,9 @@ def make_request(index: int, spec: SimRequest, arrival: float, seed: int = 0,
                  token_range: tuple[int, int] = TOKEN_RANGE) -> Request:
     params = SamplingParams(temperature=0, max_tokens=spec.cap)
     params.eos_token_ids = (EOS,)
+    lora = LoRARequest(f"adapter-{spec.adapter}", spec.adapter, "") if spec.adapter else None
     return Request(str(index), spec.prompt_token_ids(index, seed, token_range), params, priority=spec.priority,
-                   arrival_time=arrival, tenant=spec.tenant)
+                   arrival_time=arrival, tenant=spec.tenant, lora=lora)
 
 
 def replica_loads(replicas: list[Replica]) -> list[float | None]:

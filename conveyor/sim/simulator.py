@@ -240,7 +240,7 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
              router: str | Router = "least-load", prefix_caching: bool = False, trace: bool = False,
              seed: int = 0, max_steps: int = 50_000_000, speed: Callable[[float], float] | None = None,
              speculative: SpeculativeConfig | dict | str | None = None,
-             speculation: SimSpeculation | None = None) -> SimResult:
+             speculation: SimSpeculation | None = None, max_loras: int = 0) -> SimResult:
     """Run the workload through `replicas` simulated engines (each with its own KV cache of
     num_blocks blocks) behind a router; returns per-request records, stats and optional traces.
 
@@ -254,7 +254,11 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
 
     `speculative`: speculative decoding as the engine's --speculative-config (None: off), with
     `speculation` the workload's acceptance distribution and match rate (default: SimSpeculation()
-    with this seed)."""
+    with this seed).
+
+    `max_loras`: LoRA adapters the engine holds at once (the engine's --max-loras with --enable-lora;
+    0: off): the scheduler runs no more at once. Adapters change who may share a step and the
+    prefix cache's keys, not the step's cost (the cost model has no LoRA term)."""
     cost = cost or StepCostModel()
     speculative = SpeculativeConfig.parse(speculative)
     if speculative is not None and speculation is None:
@@ -262,6 +266,8 @@ def simulate(workload: list[SimRequest], config: SchedulerConfig, num_blocks: in
     reps = [make_replica(config, num_blocks, block_size, num_host_blocks, cost, prefix_caching, trace, speed=speed,
                          speculative=speculative, speculation=speculation)
             for _ in range(replicas)]
+    for r in reps:
+        r.core.scheduler.max_loras = max_loras
     records = drive(reps, workload, router=router, seed=seed, max_steps=max_steps)
     steps = sum(r.core.scheduler.step for r in reps)
     stats = EngineStats.combine([r.core.engine_stats() for r in reps])

@@ -28,6 +28,7 @@ class SimRequest:
     prefix_group: int | None = None   # requests of one group share their first prefix_len prompt tokens
     prefix_len: int = 0
     tenant: str = ""               # who it is served for (fair scheduling)
+    adapter: int = 0               # the LoRA adapter it runs under (1, 2, ...; 0: the base model)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -142,6 +143,7 @@ class WorkloadSpec:
     prefix_share: float = 1.0              # fraction of requests that belong to a group
     priorities: dict[int, float] = field(default_factory=dict)   # priority -> weight (empty: all 0)
     tenants: dict[str, float] = field(default_factory=dict)      # tenant -> share of requests (empty: all "")
+    adapters: int = 0                      # requests spread evenly over this many LoRA adapters (0: none)
     seed: int = 0
 
     def generate(self) -> list[SimRequest]:
@@ -163,7 +165,7 @@ class WorkloadSpec:
             olen = o_dist.sample(rng)
             max_tokens = max(olen, m_dist.sample(rng)) if m_dist else None
             out.append(SimRequest(t, plen, olen, max_tokens, rng.choices(prios, weights)[0], group, self.prefix_len,
-                                  who.choices(tenants, shares)[0]))
+                                  who.choices(tenants, shares)[0], who.randint(1, self.adapters) if self.adapters else 0))
         return out
 
 
@@ -189,7 +191,7 @@ def parse_priorities(text: str) -> dict[int, float]:
 
 def load_trace(path: str | Path) -> list[SimRequest]:
     """One JSON object per line: arrival, prompt_len, output_len (required); max_tokens, priority,
-    prefix_group, prefix_len, tenant (optional). Arrivals are made relative to the first one."""
+    prefix_group, prefix_len, tenant, adapter (optional). Arrivals are made relative to the first one."""
     reqs = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -198,7 +200,7 @@ def load_trace(path: str | Path) -> list[SimRequest]:
             d = json.loads(line)
             reqs.append(SimRequest(float(d["arrival"]), int(d["prompt_len"]), int(d["output_len"]),
                                    d.get("max_tokens"), int(d.get("priority", 0)), d.get("prefix_group"),
-                                   int(d.get("prefix_len", 0)), str(d.get("tenant", ""))))
+                                   int(d.get("prefix_len", 0)), str(d.get("tenant", "")), int(d.get("adapter", 0))))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n}: bad trace line ({e}): {line[:200]}") from None
     reqs.sort(key=lambda r: r.arrival)
@@ -212,5 +214,5 @@ def save_trace(requests: list[SimRequest], path: str | Path) -> None:
     with open(path, "w") as f:
         for r in requests:
             d = {k: v for k, v in asdict(r).items()
-                 if v is not None and not (k in ("prefix_len", "tenant") and not v)}
+                 if v is not None and not (k in ("prefix_len", "tenant", "adapter") and not v)}
             f.write(json.dumps(d) + "\n")

@@ -24,6 +24,9 @@ msgpack = pytest.importorskip("msgpack")
 msgspec = pytest.importorskip("msgspec")
 
 from conveyor.bench.serve import free_port  # noqa: E402
+from conveyor.kv.events import KVEventRecorder  # noqa: E402
+from conveyor.lora.request import LoRARequest  # noqa: E402
+from conveyor.routing import prefix_keys  # noqa: E402
 from conveyor.sampling.params import SamplingParams  # noqa: E402
 
 from engine_testlib import run_all  # noqa: E402
@@ -318,6 +321,24 @@ def test_cache_salt_is_in_the_first_blocks_extra_keys(make_engine, ports):
         assert model.live["GPU"] == engine_hashes(engine)
     finally:
         engine.close()
+
+
+def test_a_loras_blocks_carry_its_id_and_name_as_vllm_sends_them():
+    """A sequence under a LoRA adapter: every stored run carries lora_id and lora_name; its first
+    block's extra keys are [lora name, salt] (vLLM 0.32's order); the hashes are the router's keys."""
+    recorder, lora, tokens = KVEventRecorder(4), LoRARequest("sql", 3, "/adapters/sql"), list(range(1, 13))
+    keys = prefix_keys(tokens, 4, 3, "salt-1", lora.cache_key)
+    recorder.stored(keys[:2], None, tokens[:8], "salt-1", lora=lora, first=True)
+    recorder.stored(keys[2:], keys[1], tokens[8:], None, lora=lora)
+    recorder.stored(prefix_keys(tokens, 4, 1), None, tokens[:4], None, first=True)   # the base model's
+    batch = msgspec.msgpack.encode([1.0, recorder.pending, 0])
+    check_keys(batch)
+    first, later, base = decode(batch).events
+    assert (first.lora_id, first.lora_name, later.lora_id, later.lora_name) == (3, "sql", 3, "sql")
+    assert first.extra_keys == [("sql", "salt-1"), None] and later.extra_keys == [None]
+    assert later.parent_block_hash == first.block_hashes[-1]
+    assert (base.lora_id, base.lora_name, base.extra_keys) == (None, None, [None])
+    assert base.block_hashes[0] != first.block_hashes[0]   # the same tokens, another adapter: another block
 
 
 def test_swap_moves_blocks_to_medium_cpu_and_back(make_engine, ports):

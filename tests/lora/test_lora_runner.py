@@ -58,6 +58,30 @@ def test_mixed_adapters_and_base_match_peft(worlds, family):
         check(world, d, which, [rid for rid in which if rid != "late" or d.seqs[rid].computed >= 8])
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_small_steps_on_the_kernel_and_on_torch_ops(worlds, kernel):
+    """Steps with several adapters go to the C++ kernel (one call per matmul), unless it is off (the
+    grouped torch ops); both equal peft."""
+    from conveyor.model.cpu_kernels import cpu_kernels
+
+    world = worlds("llama")
+    if kernel and cpu_kernels("cpu", torch.float32) is None:
+        pytest.skip("the C++ kernels are unavailable here")
+    runner = ModelRunner(world.model, 96, BS, enable_lora=True)
+    runner.loras.kernel = kernel
+    which = {"a": "attn", "base": None, "b": "all", "p": "patterned", "a2": "attn"}
+    d = PlanDriver(runner, BS)
+    for rid, p in zip(which, prompts(6, 5, 7, 4, 6, seed=3)):
+        d.add(rid, p, None if which[rid] is None else world.loras[which[rid]])
+    batches = []
+    lora_batch = runner._lora_batch
+    runner._lora_batch = lambda plan, inputs: batches.append(lora_batch(plan, inputs)) or batches[-1]
+    for _ in range(4):
+        d.step([d.chunk(rid) for rid in which])
+        check(world, d, which, list(which))
+    assert batches and all((b.order is not None) == kernel for b in batches)
+
+
 def peft_greedy(model, tokens: list[int], n: int) -> list[int]:
     tokens = list(tokens)
     for _ in range(n):

@@ -153,3 +153,29 @@ def test_simulate_command_with_tenants(tmp_path, capsys):
     wl = WorkloadSpec(num_requests=30, tenants={"a": 1, "b": 1}, seed=2).generate()
     save_trace(wl, tmp_path / "t.jsonl")
     assert load_trace(tmp_path / "t.jsonl") == wl and {r.tenant for r in wl} == {"a", "b"}
+
+
+def test_simulated_adapters_respect_max_loras():
+    """Requests over 6 adapters on an engine holding 2: never more than 2 adapters among the running
+    (and simulate() takes the same limit)."""
+    from conveyor.scheduler.config import SchedulerConfig
+    from conveyor.scheduler.costs import StepCostModel
+    from conveyor.sim.harness import drive
+    from conveyor.sim.simulator import make_replica, simulate
+
+    wl = WorkloadSpec(num_requests=60, adapters=6, seed=4).generate()
+    assert {r.adapter for r in wl} == set(range(1, 7))
+    rep = make_replica(SchedulerConfig(max_num_seqs=8), 512, 16, 0, StepCostModel(), False, False)
+    rep.core.scheduler.max_loras = 2
+    step, held = rep.core.step, []
+
+    def checked_step():
+        out = step()
+        held.append(len({r.lora.lora_int_id for r in rep.core.scheduler.running if r.lora is not None}))
+        return out
+
+    rep.core.step = checked_step
+    records = drive([rep], wl)
+    assert all(r.finish is not None for r in records) and max(held) == 2
+    result = simulate(wl, SchedulerConfig(max_num_seqs=8), num_blocks=512, max_loras=2)
+    assert result.output_tokens == sum(r.num_output_tokens for r in records)

@@ -31,6 +31,8 @@ void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
 void set_attn_prefetch(int64_t tokens);
 int64_t attn_prefetch();
+void lora_sgmv_(torch::Tensor y, torch::Tensor x, torch::Tensor order, torch::Tensor starts,
+                std::vector<torch::Tensor> a, std::vector<torch::Tensor> bt);
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     torch::Tensor x, std::vector<std::vector<torch::Tensor>> layers,
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor positions,
