@@ -205,7 +205,11 @@ class EngineBackend:
         before it can fail a step with others in it."""
         if not self.config.enable_lora:
             raise InvalidRequestError("LoRA adapters are off: start the engine with enable_lora", "model")
-        if self._checked_loras.get(lora.lora_int_id) != lora:
+        known = self._checked_loras.get(lora.lora_int_id)
+        if known is not None and known != lora:
+            raise InvalidRequestError(f"LoRA adapter id {lora.lora_int_id} is already {known.lora_name!r} at "
+                                      f"{known.lora_path!r}: give {lora.lora_name!r} its own id", "model")
+        if known is None:
             try:
                 read_peft_config(lora.lora_path, lora.lora_name, self.config.max_lora_rank)
             except LoRAAdapterError as e:

@@ -105,7 +105,8 @@ class LayerLoRA:
 
     def add(self, name: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += each group's delta of matmul `name` on its rows (in place; y = the base matmul of x)."""
-        if self.kernels is not None and y.is_contiguous():
+        if self.kernels is not None:
+            assert y.is_contiguous(), "the kernel adds in place to a contiguous output"
             deltas = [g.get(name) for g in self.by_group]
             if any(d is not None for d in deltas):
                 self.kernels.lora_sgmv_(y, x.contiguous(), self.batch.order, self.batch.starts,

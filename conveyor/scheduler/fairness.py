@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from conveyor.request import Request, RequestStatus
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
+MAX_IDLE_TENANTS = 4096   # tenants without work whose counters the ledger keeps (TenantLedger.left)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class TenantLedger:
         self.tokens: dict[str, int] = {}      # real tokens computed, for metrics and studies
         self.live: dict[str, int] = {}        # requests of the tenant in the engine (queued or running)
         self.running: dict[str, int] = {}     # ... of them running
+        self.max_idle = MAX_IDLE_TENANTS
 
     def counter(self, tenant: str) -> float:
         return self.service.get(tenant, 0.0) if self.enabled else 0.0
@@ -77,8 +79,26 @@ class TenantLedger:
         n = self.live[tenant] - 1
         if n:
             self.live[tenant] = n
-        else:
-            del self.live[tenant]
+            return
+        del self.live[tenant]
+        # Forget a tenant whose counter its return would lift anyway (at or below the least of those with
+        # work); with nobody left, everyone's. A tenant that leaves ahead keeps its counter (coming back
+        # it starts there: no credit for leaving), up to max_idle such tenants: beyond, the lower half of
+        # them by counter is forgotten (the ones nearest to where a return would lift them).
+        active = [self.service.get(t, 0.0) for t in self.live]
+        if not active:
+            self.service.clear()
+            self.tokens.clear()
+        elif self.service.get(tenant, 0.0) <= min(active):
+            self.forget(tenant)
+        elif len(self.service) > len(self.live) + self.max_idle:
+            idle = sorted((c, t) for t, c in self.service.items() if t not in self.live)
+            for _, t in idle[:len(idle) // 2]:
+                self.forget(t)
+
+    def forget(self, tenant: str) -> None:
+        self.service.pop(tenant, None)
+        self.tokens.pop(tenant, None)
 
     def started(self, tenant: str) -> None:
         n = self.running[tenant] = self.running.get(tenant, 0) + 1
@@ -190,6 +210,16 @@ class FairQueue:
         request = heapq.heappop(self._lines[key])[1]
         self._live -= request.status == RequestStatus.WAITING
         return request
+
+    def take(self, request: Request, skip: frozenset[str] | set[str] = frozenset()) -> None:
+        """Take out `request`, peeked as the head: popped while it is still the head (O(log)); taken
+        from its line if the order moved since the peek (tokens given back, a cap lifted)."""
+        key = self._top(skip)
+        if key is not None and self._lines[key][0][1] is request:
+            heapq.heappop(self._lines[key])
+            self._live -= request.status == RequestStatus.WAITING
+        else:
+            self.remove(request)
 
     def remove(self, request: Request) -> None:
         """Take a queued request out now, wherever it stands (O(its line); for the rare paths that

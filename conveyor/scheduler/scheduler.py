@@ -309,22 +309,28 @@ class Scheduler:
     def _queue_head(self, held_back: list[Request]) -> Request | None:
         """The best-ranked queued request (waiting or swapped) that can come in now; followers
         waiting for their leader's prefill are set aside for this step, and so are the requests of
-        tenants at their running cap (skipped in the queue) and those whose LoRA adapter would be one
-        too many for the runner (at most max_num_seqs of them a step: then nobody comes in)."""
+        tenants at their running cap (skipped in the queue). A request whose LoRA adapter would be one
+        too many for the runner is set aside too, and with it every LoRA request behind it for the
+        step (their adapters must drain for it to come in: it cannot starve); base-model requests
+        still come in. At most max_num_seqs are set aside a step: then nobody comes in."""
+        lora_blocked = False
         while True:
             req = self.waiting.peek(self.tenants.capped)
             if req is None:
                 return None
-            if not self._waits_for_leader(req) and self._lora_fits(req):
-                return req
+            if not self._waits_for_leader(req) and (req.lora is None or not lora_blocked):
+                if self._lora_fits(req):
+                    return req
+                lora_blocked = True
             if len(held_back) >= self.config.max_num_seqs:
                 return None
             held_back.append(self.waiting.pop(self.tenants.capped))
 
-    def _lora_fits(self, req: Request) -> bool:
-        """The runner can hold the request's adapter with those of the requests it holds."""
-        return (req.lora is None or not self.max_loras or req.lora.lora_int_id in self._held_loras
-                or len(self._held_loras) < self.max_loras)
+    def _lora_fits(self, req: Request, held: dict[int, int] | set[int] | None = None) -> bool:
+        """The runner can hold the request's adapter with those of the requests it holds (`held`:
+        the adapters counted so far, default those the runner holds)."""
+        held = self._held_loras if held is None else held
+        return req.lora is None or not self.max_loras or req.lora.lora_int_id in held or len(held) < self.max_loras
 
     def _hold_lora(self, req: Request, delta: int) -> None:
         """The runner starts (+1) or stops (-1) holding a request: count its adapter."""
@@ -362,7 +368,7 @@ class Scheduler:
                 or need_now > self.kv.num_free_blocks:
             self.stats.admission_deferrals += 1
             return 0
-        self.waiting.pop(self.tenants.capped)
+        self.waiting.take(req, self.tenants.capped)   # (the order may have moved since the peek)
         if swapped:
             self._swap_in(req, out)
         else:
@@ -458,16 +464,18 @@ class Scheduler:
         """Static batching: a fixed batch admitted together; nobody joins until all finish."""
         if self.running or self.swapped:
             return
-        free = self.kv.num_free_blocks
+        free, loras = self.kv.num_free_blocks, set(self._held_loras)   # (admitted now, sent later)
         while len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek(self.tenants.capped)
-            if req is None or not self._lora_fits(req):
+            if req is None or not self._lora_fits(req, loras):
                 break
             need = self.kv.blocks_for(req.num_prompt_tokens + req.max_tokens)
             if self.running and need > free:
                 break
             free -= need
-            self.waiting.pop(self.tenants.capped)
+            if req.lora is not None:
+                loras.add(req.lora.lora_int_id)
+            self.waiting.take(req, self.tenants.capped)
             self._resume(req)
 
     def _return_swapped_members(self, out: SchedulerOutput, budget: int) -> None:
@@ -760,8 +768,10 @@ _RESEND_TABLE = -1   # _sent_blocks: the runner holds the request but its table 
 
 
 class _RankHeap:
-    """Requests by a rank that can only grow while they wait in it (tenants being served): an entry
-    whose rank grew since it was pushed is pushed again when it reaches the top."""
+    """Requests by a rank that grows while they wait in it (tenants being served): an entry whose
+    rank changed since it was pushed is pushed again when it reaches the top. (A tenant given tokens
+    back by a victim taken out of the step ranks lower again; its entries below the top are then
+    found a little late within that step, never lost.)"""
 
     def __init__(self, rank: Callable[[Request], tuple], requests: list[Request]):
         self._rank = rank

@@ -48,10 +48,8 @@ def build_app(client: EngineClient, config: ServerConfig | None = None, *, trace
     metrics = ServerMetrics(lambda: replica_states(client), names[0])
     tenants = Tenants(config.api_keys, config.tenant_max_requests, config.tenant_metrics_max, metrics.registry,
                       names[0])
-    loras = LoRARegistry(client.stats().max_lora > 0, names)
+    loras = LoRARegistry(names)
     for name, path in parse_lora_modules(config.lora_modules):
-        if not loras.enabled:
-            raise ValueError("--lora-modules needs the engine started with --enable-lora")
         try:
             loras.add(name, path)
         except APIError as e:

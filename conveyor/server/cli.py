@@ -78,6 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracer_provider = _observability(server)
     config = config_from_args(args, model=args.model)
+    if (server.lora_modules or server.allow_runtime_lora_updating) and not config.enable_lora:
+        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     if launched_by_torchrun() and os.environ["RANK"] != "0":
         return run_worker_from_env(config.device)   # a tensor-parallel rank > 0: rank 0 serves
     max_waiting = server.max_waiting or None

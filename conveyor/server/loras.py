@@ -57,15 +57,16 @@ def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
 
 
 class LoRARegistry:
-    def __init__(self, enabled: bool, base_names: list[str]):
-        self.enabled = enabled
+    """Adapter names -> LoRARequest. Whether the engine runs adapters is checked where it is known:
+    `conveyor serve` refuses --lora-modules without --enable-lora, and an engine without LoRA refuses
+    a request that names one (a Ray ingress cannot tell before its replicas report)."""
+
+    def __init__(self, base_names: list[str]):
         self.base_names = base_names
         self.adapters: dict[str, LoRARequest] = {}
         self._next_id = 1
 
     def add(self, name: str, path: str) -> LoRARequest:
-        if not self.enabled:
-            raise APIError(400, "LoRA adapters are off: start the server with --enable-lora", param="lora_name")
         if name in self.adapters or name in self.base_names:
             raise APIError(400, f"the model name {name!r} is already taken", param="lora_name")
         try:   # what the engine would refuse, refused now (its rank limit is checked when a request brings it)

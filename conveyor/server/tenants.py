@@ -4,12 +4,15 @@ metrics with a bounded number of label values.
 The tenant is the first of:
 
 1. the API key the request was let in with, when the server has several (``--api-key k1,k2,...``):
-   ``key-<first 12 hex digits of its sha256>`` (never the key itself). A client cannot pick another
-   tenant than its key's;
+   ``key-1``, ``key-2``, ... by its place in the list (nothing of the key itself: /metrics is open).
+   A client cannot pick another tenant than its key's;
 2. the ``x-gateway-inference-fairness-id`` header (the fairness id of the Gateway API Inference
    Extension / llm-d's endpoint picker, so a gateway's flows and the engine's tenants agree);
 3. the request body's ``user`` field (OpenAI's end-user id);
 4. else the default tenant ``""``.
+
+Without several keys, the header and ``user`` are the client's word: put the server behind a gateway
+that sets the header (or give each tenant a key) where tenants must not pose as each other.
 
 The scheduler serves tenants of equal priority by least service (scheduler/fairness.py). Here, at the
 front, ``--tenant-max-requests N`` answers a tenant's request beyond N in flight with 429 and
@@ -18,7 +21,6 @@ Retry-After, whoever else is busy.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -37,8 +39,12 @@ MAX_TENANT_CHARS = 256
 QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
 
-def key_tenant(key: str) -> str:
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+def key_tenants(keys: list[str]) -> dict[str, str]:
+    """API key -> its tenant, ``key-N`` by its place in --api-key (the first of a repeated key)."""
+    out: dict[str, str] = {}
+    for i, key in enumerate(keys, 1):
+        out.setdefault(key, f"key-{i}")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +58,7 @@ class Origin:
 class Tenants:
     def __init__(self, api_keys: list[str], max_requests: int, max_labels: int, registry: CollectorRegistry,
                  model_name: str):
-        self.by_key = {k: key_tenant(k) for k in api_keys} if len(api_keys) > 1 else {}
+        self.by_key = key_tenants(api_keys) if len(api_keys) > 1 else {}
         self.max_requests = max_requests
         self.max_labels = max_labels
         self.model_name = model_name

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from conveyor.core.engine_core import EngineCore
 from conveyor.core.trace import StepTracer
 from conveyor.kv.events import KVEventRecorder
-from conveyor.lora.request import LoRARequest
+from conveyor.lora.request import LoRARequest, adapter_key
 from conveyor.request import Request
 from conveyor.routing import Router, replica_load
 from conveyor.runner.state import RunnerState
@@ -198,7 +198,7 @@ def drive(replicas: list[Replica], workload: list[SimRequest], *, router: str | 
         spec = workload[index]
         request = make_request(index, spec, records[index].arrival, seed, token_range)
         target = 0 if len(replicas) == 1 else policy.choose(request.prompt_token_ids, replica_loads(replicas),
-                                                            request.cache_salt)
+                                                            request.cache_salt, adapter_key(request.lora))
         replica = replicas[target]
         if not replica.core.has_unfinished() and nows[target] < nxt:
             replica.wait_until(nxt)

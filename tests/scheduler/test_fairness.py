@@ -162,3 +162,87 @@ def test_tenant_weights_are_checked():
     for bad in ("a", "a=0", "=2", "a=x", "a=inf"):
         with pytest.raises(ValueError, match="tenant_weights"):
             SchedulerConfig(tenant_weights=bad)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.integers(0, 2), st.sampled_from("abc"),
+                          st.integers(0, 2)), min_size=2, max_size=16),
+       st.integers(0, 2), st.sampled_from(["swap", "recompute"]))
+def test_every_request_of_every_tenant_finishes(specs, cap, mode):
+    """Tenants, priorities, a running cap and preemption (priority preemption gives a victim's tenant
+    tokens back and may lift its cap between a peek and the admission): nobody is lost from the
+    queue, every request finishes with its own output, every block comes back."""
+    sim = Sim(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=20, tenant_max_running=cap,
+                              preemption_mode=mode), num_blocks=20, block_size=4, num_host_blocks=40)
+    for i, (plen, olen, prio, tenant, when) in enumerate(specs):
+        req = make_request(f"{tenant}{i}", [1 + (i * 5 + j) % 40 for j in range(plen)], olen + 1, out_len=olen,
+                           priority=prio, seed=i)
+        req.tenant = tenant
+        sim.add(req)
+        for _ in range(when):
+            sim.step()
+    sim.run(5000)
+    sim.check_outputs()
+    assert all(r.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) for r in sim.all.values())
+
+
+def test_take_takes_the_peeked_request_even_when_the_order_moved():
+    ledger = TenantLedger()
+    queue = FairQueue(ledger)
+    a, b = make_request("a", [1], 2), make_request("b", [1], 2)
+    for i, (req, tenant) in enumerate(((a, "x"), (b, "y"))):
+        req.tenant, req.arrival_seq = tenant, i
+        ledger.arrived(tenant)
+        queue.push(req)
+    assert queue.peek() is a
+    ledger.charge("x", 100, 0)   # x was served since the peek: y's line ranks first now
+    queue.take(a)
+    assert queue.peek() is b and len(queue) == 1
+
+
+def test_a_lora_request_waiting_for_an_adapter_slot_is_not_starved():
+    """One adapter slot: adapter A's requests run; B's request comes next, then a stream of A's. The
+    A requests behind B wait with it until A's running requests drain and B comes in (before, they
+    kept A held forever); base-model requests are not held back. The runner never holds two."""
+    from conveyor.lora.request import LoRARequest
+
+    sim = Sim(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), num_blocks=256, block_size=4)
+    sim.sched.max_loras = 1
+    lora_a, lora_b = LoRARequest("a", 1, ""), LoRARequest("b", 2, "")
+
+    def add(rid: str, lora, out_len: int = 8) -> object:
+        req = make_request(rid, [1 + len(rid), 2, 3, 4, 5], out_len + 1, out_len=out_len)
+        req.lora = lora
+        return sim.add(req)
+
+    early = [add("a0", lora_a, 4), add("a1", lora_a, 9)]   # they finish apart: A stays held in between
+    sim.step()
+    b = add("b", lora_b)
+    later = [add(f"a{i}", lora_a, 4 + i % 5) for i in range(2, 22)] + [add("base", None)]
+    held = []
+    while sim.sched.has_unfinished():
+        sim.step()
+        held.append(len(sim.sched._held_loras))
+    sim.check_outputs()
+    assert max(held) == 1
+    start = lambda r: r.metrics.first_scheduled_time   # noqa: E731
+    assert all(start(b) > start(r) for r in early)
+    assert sum(start(r) > start(b) for r in later if r.lora is lora_a) == 20   # every later A after B
+
+
+def test_the_ledger_forgets_tenants_without_work():
+    """A million one-off `user` values must not grow the ledger: a tenant that leaves at or below the
+    least counter of those with work is forgotten (its return lifts it there anyway)."""
+    ledger = TenantLedger()
+    ledger.max_idle = 64
+    ledger.arrived("steady")
+    ledger.charge("steady", 50, 0)
+    for i in range(1000):
+        ledger.arrived(f"u{i}")
+        if i % 2:
+            ledger.charge(f"u{i}", 0, 1)   # left ahead of "steady": kept, up to max_idle of them
+        ledger.left(f"u{i}")
+    assert "steady" in ledger.service and len(ledger.service) <= 1 + 64
+    assert ledger.counter("u999") > ledger.counter("steady")   # the latest one served still carries its lead
+    ledger.left("steady")
+    assert not ledger.service and not ledger.live
