@@ -97,5 +97,9 @@ def test_lora_refused_clearly(world, tmp_path):
         run(llm, prompts(1, 5, 4), [world.loras["all"]])
     with pytest.raises(InvalidRequestError, match="not a PEFT adapter"):
         run(llm, prompts(1, 5, 4), [LoRARequest("nothing", 9, str(tmp_path))])
+    attn = world.loras["attn"]
+    run(llm, prompts(1, 5, 4), [attn])
+    with pytest.raises(InvalidRequestError, match="already 'attn'"):   # an id names one adapter
+        run(llm, prompts(1, 5, 4), [LoRARequest("other", attn.lora_int_id, world.loras["patterned"].lora_path)])
     ps = prompts(2, 5, 5)   # the engine still serves
     assert run(llm, ps, [world.loras["attn"], None]) == expected(world, ps, [world.loras["attn"], None])
