@@ -78,14 +78,24 @@ def run(args) -> dict:
     records, _ = run_on_engine(engines["fcfs"], burst)
     engine_capacity = len(records) / (max(r.finish for r in records) - min(r.arrival for r in records))
     speed = engine_capacity / capacity
-    out.update(engine_capacity_req_s=engine_capacity, engine_speed=speed)
+    out.update(engine_capacity_req_s=engine_capacity, engine_speed=speed, engine_seconds=args.engine_seconds)
     eng_load = workload(1.5 * engine_capacity, args.engine_seconds, seed=1)
     for policy in ("fcfs", "vtc", "vtc", "fcfs")[:2 * args.rounds]:
         records, _ = run_on_engine(engines[policy], eng_load)
         r = SimResult(records, engines[policy].stats())
         out["engine"].setdefault(policy, []).append(summary(r))
     out["engine"]["light_ttft_bound_s"] = light_bound(config["vtc"], cost) / speed
+    out["simulator_of_engine_run"] = simulate_engine_run(out, cost)
     return out
+
+
+def simulate_engine_run(out: dict, cost: StepCostModel) -> dict:
+    """The engine's run again in the simulator: the same requests, the cost model scaled to the engine's
+    measured speed (does the simulator's fairness study match the engine's?)."""
+    load = workload(1.5 * out["engine_capacity_req_s"], out["engine_seconds"], seed=1)
+    scaled = cost.scaled(1 / out["engine_speed"])
+    return {p: summary(simulate(load, SchedulerConfig(tenant_fairness=p, max_num_seqs=32), num_blocks=1024,
+                                block_size=16, cost=scaled)) for p in ("fcfs", "vtc")}
 
 
 def main() -> None:
