@@ -72,11 +72,12 @@ class Recording(Router):
         self.replicas = replicas
         self.load_checks = 0
 
-    def choose(self, token_ids, loads, cache_salt=None):
+    def choose(self, token_ids, loads, cache_salt=None, adapter=None):
         if self.replicas is not None:   # the loads are the data-parallel engine's measure of these replicas
             assert list(loads) == server_loads(self.replicas)
             self.load_checks += 1
-        choice = super().choose(token_ids, loads, cache_salt)
+        assert adapter is None   # (these workloads have no LoRA adapters: the replay passes none)
+        choice = super().choose(token_ids, loads, cache_salt, adapter)
         self.calls.append((list(token_ids), list(loads), cache_salt, choice))
         self.log.append(("choose", *self.calls[-1]))
         return choice
