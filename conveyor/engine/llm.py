@@ -62,6 +62,18 @@ def _describe(x: object) -> str:
     return type(x).__name__
 
 
+def _per_prompt(value, cls: type, n: int, name: str, plural: str, param: str | None = None) -> list:
+    """`value` for every prompt (one `cls`, or None), or a list or tuple of them, one per prompt: as a list of n."""
+    if value is None or isinstance(value, cls):
+        return [value] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(f"got {len(value)} {plural} for {n} prompts", param)
+        return list(value)
+    raise InvalidRequestError(f"{name} must be a {cls.__name__}, a list of them (one per prompt) or None; "
+                              f"got {type(value).__name__}", param)
+
+
 class LLM:
     """``LLM(model, **options)``: options are EngineConfig's and SchedulerConfig's fields by name
     (``max_num_seqs``, ``block_size``, ``preemption_mode``, ...); or ``config=EngineConfig(...)``; or
@@ -110,15 +122,7 @@ class LLM:
     def _inputs(self, prompts, sampling_params, priority, lora_request=None) -> list[tuple[ProcessedRequest, int]]:
         prompts = prompt_list(prompts)
         loras = self._loras(lora_request, len(prompts))
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        else:
-            raise InvalidRequestError("sampling_params must be a SamplingParams, a list of them (one per prompt) "
-                                      f"or None; got {type(sampling_params).__name__}")
+        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params", "sampling params")
         if priority is None:
             priority = [0] * len(prompts)
         elif isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
@@ -140,15 +144,7 @@ class LLM:
         return inputs
 
     def _loras(self, lora_request, n: int) -> list[LoRARequest | None]:
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * n
-        elif isinstance(lora_request, (list, tuple)):
-            loras = list(lora_request)
-            if len(loras) != n:
-                raise InvalidRequestError(f"got {len(loras)} LoRA requests for {n} prompts", "lora_request")
-        else:
-            raise InvalidRequestError("lora_request must be a LoRARequest, a list of them (one per prompt) or None; "
-                                      f"got {type(lora_request).__name__}", "lora_request")
+        loras = _per_prompt(lora_request, LoRARequest, n, "lora_request", "LoRA requests", "lora_request")
         if not all(x is None or isinstance(x, LoRARequest) for x in loras):
             raise InvalidRequestError("lora_request must hold LoRARequest objects (or None)", "lora_request")
         if any(x is not None for x in loras) and not self.engine.config.enable_lora:

@@ -18,9 +18,11 @@ load (docs/scheduling.md derives it for this scheduler, chunked prefill included
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 
 from conveyor.request import Request, RequestStatus
+from conveyor.scheduler.request_counts import enter, leave
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 MAX_IDLE_TENANTS = 4096   # tenants without work whose counters the ledger keeps (TenantLedger.left)
@@ -60,8 +62,8 @@ class TenantLedger:
         self.token_weights = token_weights or TokenWeights()
         self.service: dict[str, float] = {}   # virtual tokens (what the order compares)
         self.tokens: dict[str, int] = {}      # real tokens computed, for metrics and studies
-        self.live: dict[str, int] = {}        # requests of the tenant in the engine (queued or running)
-        self.running: dict[str, int] = {}     # ... of them running
+        self.live: Counter[str] = Counter()      # requests of the tenant in the engine (queued or running)
+        self.running: Counter[str] = Counter()   # ... of them running
         self.max_idle = MAX_IDLE_TENANTS
 
     def counter(self, tenant: str) -> float:
@@ -69,18 +71,15 @@ class TenantLedger:
 
     def arrived(self, tenant: str) -> None:
         """A request of `tenant` entered the engine: if it had none, lift its counter (VTC)."""
-        if not self.live.get(tenant):
-            active = [self.service.get(t, 0.0) for t, n in self.live.items() if n and t != tenant]
+        if tenant not in self.live:
+            active = [self.service.get(t, 0.0) for t in self.live]
             if active:
                 self.service[tenant] = max(self.service.get(tenant, 0.0), min(active))
-        self.live[tenant] = self.live.get(tenant, 0) + 1
+        enter(self.live, tenant)
 
     def left(self, tenant: str) -> None:
-        n = self.live[tenant] - 1
-        if n:
-            self.live[tenant] = n
+        if not leave(self.live, tenant):
             return
-        del self.live[tenant]
         # Forget a tenant whose counter its return would lift anyway (at or below the least of those with
         # work); with nobody left, everyone's. A tenant that leaves ahead keeps its counter (coming back
         # it starts there: no credit for leaving), up to max_idle such tenants: beyond, the lower half of
@@ -101,18 +100,14 @@ class TenantLedger:
         self.tokens.pop(tenant, None)
 
     def started(self, tenant: str) -> None:
-        n = self.running[tenant] = self.running.get(tenant, 0) + 1
-        if self.max_running and n >= self.max_running:
+        enter(self.running, tenant)
+        if self.max_running and self.running[tenant] >= self.max_running:
             self.capped.add(tenant)
 
     def stopped(self, tenant: str) -> None:
-        n = self.running[tenant] - 1
-        if not (self.max_running and n >= self.max_running):
+        leave(self.running, tenant)
+        if not (self.max_running and self.running.get(tenant, 0) >= self.max_running):
             self.capped.discard(tenant)
-        if n:
-            self.running[tenant] = n
-        else:
-            del self.running[tenant]
 
     def charge(self, tenant: str, prefill: int, decode: int) -> None:
         """Count tokens given to the tenant (negative: given back by a victim taken out of the step)."""

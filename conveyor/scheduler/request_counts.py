@@ -33,33 +33,33 @@ class RequestCounts:
         return (seq.prefill_leader or seq).request_id
 
     def added(self, seq: Request) -> None:
-        self.live += _enter(self._live, self._key(seq))
+        self.live += enter(self._live, self._key(seq))
         if seq.lora is not None:
-            _enter(self.lora_live, seq.lora.lora_name)
+            enter(self.lora_live, seq.lora.lora_name)
 
     def removed(self, seq: Request) -> None:
-        self.live -= _leave(self._live, self._key(seq))
+        self.live -= leave(self._live, self._key(seq))
         if seq.lora is not None:
-            _leave(self.lora_live, seq.lora.lora_name)
+            leave(self.lora_live, seq.lora.lora_name)
 
     def started(self, seq: Request) -> None:
-        self.running += _enter(self._running, self._key(seq))
+        self.running += enter(self._running, self._key(seq))
         if seq.lora is not None:
-            _enter(self.lora_running, seq.lora.lora_name)
+            enter(self.lora_running, seq.lora.lora_name)
 
     def stopped(self, seq: Request) -> None:
-        self.running -= _leave(self._running, self._key(seq))
+        self.running -= leave(self._running, self._key(seq))
         if seq.lora is not None:
-            _leave(self.lora_running, seq.lora.lora_name)
+            leave(self.lora_running, seq.lora.lora_name)
 
 
-def _enter(counts: Counter[str], key: str) -> int:
+def enter(counts: Counter[str], key: str) -> int:
     """1 when `key` had no sequence before, else 0."""
     counts[key] += 1
     return counts[key] == 1
 
 
-def _leave(counts: Counter[str], key: str) -> int:
+def leave(counts: Counter[str], key: str) -> int:
     """1 when `key`'s last sequence left, else 0."""
     counts[key] -= 1
     assert counts[key] >= 0, key
