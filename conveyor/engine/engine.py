@@ -85,6 +85,9 @@ class EngineBackend:
         self.loaded = loaded or load_model(config.model, config.device, dtype, tokenizer=config.tokenizer,
                                            quantization=config.quantization)
         self.model_config = self.loaded.config
+        if config.enable_lora and self.model_config.is_moe:
+            raise ValueError("enable_lora is not supported with mixture-of-experts models (adapters of the "
+                             "routed experts are not applied)")
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
         # Layer groups with their own block tables when some layers attend to a window only.
@@ -129,6 +132,8 @@ class EngineBackend:
         world = config.tensor_parallel_size
         # A GGUF is converted here, once, before the ranks load it.
         cfg = read_config(model_directory(resolve_model_path(config.model)))
+        if cfg.is_moe:
+            raise ValueError("tensor_parallel_size > 1 does not split mixture-of-experts models yet")
         num_blocks, num_host = kv_cache_blocks(config, cfg, dtype, KVLayout.from_config(cfg, config.hybrid_kv_cache))
         if config.distributed_executor_backend == "ray":   # each rank has its own bundle of CPUs
             threads = max(1, config.torch_threads or 1)

@@ -1,5 +1,9 @@
 """Architecture description of a Llama-family decoder, parsed from HF config.json or GGUF.
 
+Mixture-of-experts variants (Qwen3-MoE, Mixtral) are the same decoder with a routed MLP in some
+or all layers: `num_experts` experts of width `moe_intermediate_size`, `num_experts_per_tok` chosen
+per token by a softmax router (its top-k weights renormalized where `norm_topk_prob`).
+
 Gemma 3 (text) is the same decoder with switches: GeGLU, RMSNorm weights stored as an offset from
 one, norms after attention and after the MLP too, a scaled embedding, and sliding-window layers with
 their own RoPE base interleaved with global ones (`layer_types`).
@@ -11,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # model_type / architectures accepted; all share one decoder with a few switches.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -48,6 +53,18 @@ class ModelConfig:
     sliding_window: int | None = None           # tokens a sliding-window layer attends to (itself included)
     layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL; None: all FULL
     rope_local_theta: float | None = None       # RoPE base of the sliding layers (Gemma 3: 10000)
+    num_experts: int = 0                        # > 0: a mixture-of-experts model (routed MLPs)
+    num_experts_per_tok: int = 0                # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0              # width of one expert's MLP
+    norm_topk_prob: bool = True                 # the top-k routing weights renormalized to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()      # layers of a MoE model with a plain MLP (intermediate_size)
+
+    def layer_is_moe(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_mlp_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def attention_scale(self) -> float:
@@ -98,6 +115,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         window, types = cls._sliding_layers(cfg, model_type)
+        moe = cls._moe_fields(cfg, model_type)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -113,12 +131,36 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             mlp_bias=cfg.get("mlp_bias", False),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=window, layer_types=types,
+            sliding_window=window, layer_types=types, **moe,
         )
+
+    @staticmethod
+    def _moe_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+        """Qwen3-MoE: `num_experts` experts of `moe_intermediate_size`, sparse every
+        `decoder_sparse_step`-th layer but those in `mlp_only_layers` (dense, `intermediate_size`),
+        `norm_topk_prob` as given. Mixtral: `num_local_experts` in every layer, of
+        `intermediate_size`, top-k always renormalized."""
+        if model_type not in MOE_MODEL_TYPES:
+            return {}
+        layers = cfg["num_hidden_layers"]
+        if model_type == "mixtral":
+            experts, width, norm, dense = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True, ()
+        else:
+            experts, width = cfg.get("num_experts") or cfg.get("num_local_experts"), cfg["moe_intermediate_size"]
+            norm = cfg.get("norm_topk_prob", False)
+            step, only = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or ())
+            dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+        top_k = cfg.get("num_experts_per_tok", 2)
+        if not experts or not 0 < top_k <= experts:
+            raise UnsupportedModelError(f"{model_type}: num_experts_per_tok={top_k} with {experts} experts")
+        if cfg.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError(f"{model_type} with a shared expert is not supported")
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": width,
+                "norm_topk_prob": norm, "dense_mlp_layers": dense}
 
     @staticmethod
     def _sliding_layers(cfg: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -130,7 +172,7 @@ class ModelConfig:
             return None, None
         if cfg.get("layer_types"):
             types = tuple(cfg["layer_types"])
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             types = (SLIDING,) * layers
         elif model_type == "qwen2" and cfg.get("use_sliding_window"):
             start = cfg.get("max_window_layers", layers)
@@ -186,7 +228,8 @@ class ModelConfig:
         if self.model_type == "gemma3_text":
             return self._to_gemma3()
         archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
         cfg: dict[str, Any] = {
             "architectures": [archs[self.model_type]], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -201,6 +244,13 @@ class ModelConfig:
         }
         if self.rope_scaling:
             cfg["rope_scaling"] = self.rope_scaling
+        if self.model_type == "mixtral":
+            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       intermediate_size=self.moe_intermediate_size)
+        elif self.model_type == "qwen3_moe":
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=list(self.dense_mlp_layers))
         if self.sliding_window:
             cfg.update(sliding_window=self.sliding_window, layer_types=list(self.layer_types or ()))
         if self.eos_token_ids:

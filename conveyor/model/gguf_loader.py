@@ -28,15 +28,22 @@ from conveyor.model.quant import QuantTensor
 from conveyor.paths import GGUF_CONVERSION_VERSION, cache_dir, gguf_file_key
 from conveyor.tokenizer import Tokenizer
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-# Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows.
-_PERMUTED_ARCHS = {"llama", "mistral"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "qwen3moe": "qwen3_moe"}
+# Only llama.cpp's "llama" graph uses interleaved RoPE with permuted Q/K rows (Mixtral is a "llama"
+# file with experts).
+_PERMUTED_ARCHS = {"llama", "mistral", "mixtral"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",   # a MoE layer's router
 }
+# A MoE layer's experts, merged into one 3-D tensor each ([experts, rows, columns]), or (older
+# Mixtral files) one tensor per expert, "ffn_gate.E".
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_EXPERT_PIECES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 # Gemma 3's four norms per layer: "ffn_norm" is the norm before the MLP, as in Llama, but HF names
 # that one pre_feedforward_layernorm and the norm of the attention's output post_attention_layernorm.
 _GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -75,7 +82,27 @@ def gguf_config(reader) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
     )
+    if a("expert_count"):
+        cfg = _moe_config(cfg, a, names)
     return _gemma3_config(cfg, a) if arch == "gemma3" else cfg
+
+
+def _moe_config(cfg: ModelConfig, a, names: set[str]) -> ModelConfig:
+    """A MoE file: "qwen3moe" (experts of expert_feed_forward_length; the top-k weights renormalized,
+    as llama.cpp does for it unless expert_weights_norm says otherwise), or a "llama" file with
+    experts, which is Mixtral (experts of feed_forward_length, top-k renormalized). A layer without
+    a router (ffn_gate_inp) has a plain MLP."""
+    if a("expert_shared_count") or a("expert_shared_feed_forward_length"):
+        raise UnsupportedModelError("GGUF with shared experts is not supported")
+    if a("expert_gating_func") not in (None, 1):   # llama.cpp: 1 softmax, 2 sigmoid
+        raise UnsupportedModelError(f"GGUF expert_gating_func {a('expert_gating_func')} (only softmax) is not supported")
+    moe = cfg.model_type == "qwen3_moe"
+    width = a("expert_feed_forward_length") if moe else None
+    dense = tuple(i for i in range(cfg.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+    return replace(cfg, model_type=cfg.model_type if moe else "mixtral", num_experts=int(a("expert_count")),
+                   num_experts_per_tok=int(a("expert_used_count", 2)),
+                   moe_intermediate_size=int(width or cfg.intermediate_size),
+                   norm_topk_prob=bool(a("expert_weights_norm", True)), dense_mlp_layers=dense)
 
 
 def _gemma3_config(cfg: ModelConfig, a) -> ModelConfig:
@@ -101,6 +128,9 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     blk, idx, part = base.split(".", 2)
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3_text" else _LAYER_NAMES
+    piece, _, expert = part.partition(".")
+    if blk == "blk" and piece in _EXPERT_PIECES and expert.isdigit():   # one expert of an older Mixtral file
+        return f"model.layers.{idx}.mlp.experts.{expert}.{_EXPERT_PIECES[piece]}.{suffix}"
     if blk != "blk" or part not in layer_names:
         raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"model.layers.{idx}.{layer_names[part]}.{suffix}"
@@ -131,10 +161,13 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = (), skip=()
         kind = t.tensor_type.name
         if kind not in SUPPORTED_QUANTS:
             raise UnsupportedModelError(f"tensor {t.name} uses unsupported GGUF type {kind}")
+        if t.name.split(".")[2:3] and t.name.split(".")[2] in _EXPERT_NAMES:
+            out.update(_expert_tensors(t, kind, native, skip))
+            continue
         name = _hf_name(t.name, cfg.model_type)
         if name.removeprefix("model.") in skip:
             continue
-        keep = kind in native and len(t.shape) == 2
+        keep = kind in native and len(t.shape) == 2 and not name.endswith("mlp.gate.weight")   # routers stay dense
         w = np.array(t.data) if keep else np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
                                                                dtype=np.float32)
         if cfg.norm_unit_offset and name.endswith("norm.weight"):
@@ -145,6 +178,21 @@ def gguf_tensors(reader, cfg: ModelConfig, native: tuple[str, ...] = (), skip=()
             w = _unpermute(w, cfg.num_key_value_heads)
         out[name] = QuantTensor(torch.from_numpy(np.ascontiguousarray(w)), kind, int(t.shape[0])) if keep else w
     return out
+
+
+def _expert_tensors(t, kind: str, native: tuple[str, ...], skip) -> dict:
+    """One merged expert tensor (``blk.N.ffn_{gate,up,down}_exps.weight``, [experts, rows, columns])
+    as one HF-named weight per expert: QuantTensors of the file's blocks where `kind` is native
+    (each expert's rows are contiguous in the file), else fp32 arrays."""
+    _, idx, part, _ = t.name.split(".")
+    names = [f"model.layers.{idx}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.weight" for e in range(int(t.shape[-1]))]
+    wanted = [e for e, n in enumerate(names) if n.removeprefix("model.") not in skip]
+    if not wanted:
+        return {}
+    if kind in native:
+        return {names[e]: QuantTensor(torch.from_numpy(np.array(t.data[e])), kind, int(t.shape[0])) for e in wanted}
+    dense = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return {names[e]: np.ascontiguousarray(dense[e]) for e in wanted}
 
 
 def convert_gguf(path: str | Path, weights: bool = True) -> Path:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3) on a flattened token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 3; Qwen3-MoE and Mixtral
+with routed experts) on a flattened token batch.
 
 Every op except attention runs on all tokens of the step at once (Orca's selective batching);
 attention uses the per-sequence metadata. Q/K/V and gate/up projections are fused into one
@@ -129,12 +130,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: TorchOps, tp=None):
+    def __init__(self, cfg: ModelConfig, ops: TorchOps, tp=None, width: int | None = None):
         super().__init__()
         self.ops = ops
         self.tp = tp
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_mul = ops.silu_mul if cfg.hidden_act == "silu" else ops.gelu_tanh_mul
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
@@ -154,6 +156,57 @@ class MLP(nn.Module):
         return out   # (no tensor parallelism with LoRA: the engine refuses it)
 
 
+class SparseMoE(nn.Module):
+    """A routed MLP (Qwen3-MoE, Mixtral): a softmax router picks `num_experts_per_tok` experts per
+    token; each expert is an MLP of `moe_intermediate_size`. The tokens of the whole step (prefill
+    chunks and decodes alike) are grouped by expert, and each expert the step touches runs once
+    over its tokens, so an expert shared by several tokens is read once; at one token only its k
+    experts are read. A token's expert outputs are summed in ascending expert order whatever it is
+    batched with (as transformers does), so its numbers do not depend on the step's other tokens
+    beyond what its matmuls do."""
+
+    def __init__(self, cfg: ModelConfig, ops: TorchOps):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)   # the router
+        self.experts = nn.ModuleList(MLP(cfg, ops, None, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.last_experts = 0   # distinct experts the last forward ran (for the step profile)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [tokens, k] (x's dtype) and expert ids [tokens, k] of each token."""
+        probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        weights, ids = self.route(x)   # (LoRA on MoE models is refused at engine start)
+        out = torch.zeros_like(x)
+        experts = self.experts
+        if x.shape[0] == 1:   # one token: its k experts, in ascending order
+            ids, order = ids[0].sort()
+            w = weights[0, order]
+            for j, e in enumerate(ids.tolist()):
+                out.add_(experts[e].forward(x) * w[j])
+            self.last_experts = self.top_k
+            return out
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)    # (token, slot) pairs grouped by expert, tokens ascending
+        tokens = order // self.top_k
+        w = weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        start = used = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = tokens[start:start + n]
+                out.index_add_(0, rows, experts[e].forward(x[rows]) * w[start:start + n])
+                start += n
+                used += 1
+        self.last_experts = used
+        return out
+
+
 # The hot path calls submodules' forward() directly: nn.Module.__call__'s hook checks cost
 # ~1.5 us each, ~250 times per step.
 
@@ -170,7 +223,12 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops, tp)
+        if cfg.layer_is_moe(index):
+            if tp is not None:
+                raise ValueError("tensor parallelism does not split mixture-of-experts layers yet")
+            self.mlp: MLP | SparseMoE = SparseMoE(cfg, ops)
+        else:
+            self.mlp = MLP(cfg, ops, tp)
 
     def forward(self, x, residual, positions, rope, kv_cache, meta, lora: LayerLoRA | None = None):
         """Pre-norm block with the residual stream carried separately, so each residual add is
@@ -245,9 +303,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.dtype
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            for owner, prefix, attr in ((layer.self_attn, "self_attn", "qkv_proj"),
-                                        (layer.self_attn, "self_attn", "o_proj"),
-                                        (layer.mlp, "mlp", "gate_up_proj"), (layer.mlp, "mlp", "down_proj")):
+            for owner, prefix, attr in self._matmuls(layer):
                 key = f"{p}{prefix}.{attr}"
                 names = [f"{p}{prefix}.{n}.weight" for n in FUSED.get(attr, (attr,))]
                 tensors = cached(key)
@@ -284,6 +340,15 @@ class LlamaForCausalLM(nn.Module):
                    ["embed_tokens.weight" if tied else "lm_head.weight"])
             if not tied:
                 del self.lm_head
+
+    @staticmethod
+    def _matmuls(layer: DecoderLayer) -> list[tuple[nn.Module, str, str]]:
+        """(owner, HF prefix, attribute) of each matmul a layer may hold quantized: attention's,
+        then its MLP's or each expert's (not the router: its weights stay dense)."""
+        mlps = [(layer.mlp, "mlp")] if isinstance(layer.mlp, MLP) else \
+            [(e, f"mlp.experts.{j}") for j, e in enumerate(layer.mlp.experts)]
+        return [(layer.self_attn, "self_attn", "qkv_proj"), (layer.self_attn, "self_attn", "o_proj"),
+                *((m, prefix, attr) for m, prefix in mlps for attr in ("gate_up_proj", "down_proj"))]
 
     @staticmethod
     def _quant_linear(w: QuantTensor, bias, dtype: torch.dtype, dense_copy: bool) -> QuantLinear:
@@ -375,7 +440,9 @@ class LlamaForCausalLM(nn.Module):
                   for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
         width = min(widths, default=0)
         # The fused loop takes q/k/v in up to three pieces (QuantConcat), gate/up in one.
-        fusable = not any(isinstance(layer.mlp.gate_up_proj, QuantConcat) for layer in self.layers)
+        # (Routed MLPs are not in the fused loop: a MoE model's steps run the Python layer loop.)
+        fusable = not self.cfg.is_moe and not any(isinstance(layer.mlp.gate_up_proj, QuantConcat)
+                                                  for layer in self.layers)
         if width and fusable and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \
                 and isinstance(self.ops, CpuFusedOps):
             self.fused_decode_tokens = width

@@ -80,7 +80,40 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
             weights.update(load_file(str(directory / name)))
         except Exception as e:
             raise UnsupportedModelError(f"corrupt or unreadable weights file {directory / name}: {e}") from e
-    return text_model_weights(weights)
+    return expert_weights(text_model_weights(weights))
+
+
+# Mixtral's checkpoint names for the MoE block and its experts' matmuls -> Qwen3-MoE's (one set of
+# names in the model): block_sparse_moe -> mlp, w1 / w3 / w2 -> gate_proj / up_proj / down_proj.
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A MoE checkpoint's weights under one naming: ``layers.N.mlp.gate.weight`` (the router) and
+    ``layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, from Mixtral's names or from experts
+    stacked in 3-D tensors (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``
+    [E, H, I], as transformers 5 holds them in memory). Other checkpoints pass unchanged."""
+    if not any(".block_sparse_moe." in k or k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+               for k in weights):
+        return weights
+    out = {}
+    for name, t in weights.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-4] == "experts" and parts[-2] in _MIXTRAL_EXPERT:
+            parts[-2] = _MIXTRAL_EXPERT[parts[-2]]
+            name = ".".join(parts)
+        if name.endswith("experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            for e, w in enumerate(t):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
 
 
 # A multimodal checkpoint (Gemma3ForConditionalGeneration, 4B and up): its text model under these
@@ -170,7 +203,7 @@ def build_model(cfg: ModelConfig, weights: dict, device: str | torch.device = "c
     if head is not None:
         shapes.add((cfg.hidden_size, head.shape[0]))
     packed = {s: linear.prefer_packed(device, dtype, *s) for s in sorted(shapes)}
-    mlp = (cfg.hidden_size, 2 * cfg.intermediate_size)
+    mlp = (cfg.hidden_size, 2 * (cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size))
     matmul_bytes = sum(p.numel() for p in model.parameters() if p.dim() == 2) * dtype.itemsize
     dense = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     gemv_max = linear.gemv_tokens(device, dtype, *mlp, packed.get(mlp, False), matmul_bytes) \

@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from conveyor.core.engine_core import EngineCore
 from conveyor.kv.manager import KVCacheManager
@@ -98,8 +99,25 @@ KERNEL_FAMILIES: dict[str, tuple[type, type, dict]] = {
 }
 
 
+# Mixture-of-experts models (tests/model/test_moe.py): 8 experts, top-2. The Qwen3-MoE has a dense
+# MLP layer between two routed ones (mlp_only_layers) and keeps its top-k weights as the softmax
+# gave them (norm_topk_prob False, the config's default); Mixtral renormalizes them.
+MOE_FAMILIES: dict[str, tuple[type, type, dict]] = {
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=False)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=None)),
+    # Rows of 256 columns everywhere, for K-quant files (super-blocks of 256).
+    "qwen3_moe_256": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)),
+}
+
+
 def make_hf_model(family: str, seed: int = 0):
-    cfg_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else KERNEL_FAMILIES[family]
+    cfg_cls, model_cls, extra = {**FAMILIES, **KERNEL_FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
     hf_cfg = cfg_cls(**{**_COMMON, **extra})
     model = model_cls(hf_cfg).float().eval()
