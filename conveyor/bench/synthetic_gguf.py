@@ -3,7 +3,9 @@ type holds, for measuring memory, load time and decode speed where the demo mode
 tell (benchmarks/synthetic_gguf.py), and for tests that such files load (tests/model/test_quant.py).
 
 Shapes are Llama-3.2-1B's and Llama-3.1-8B's (hidden 2048 / 4096, 16 / 32 layers, MLP 8192 /
-14336, 32 heads, 8 KV heads), or a tiny one, with a given GGUF's tokenizer (and so its vocabulary)
+14336, 32 heads, 8 KV heads), or a tiny one; MoE files (`write_moe`, "qwen3moe") have
+Qwen3-30B-A3B's layers (hidden 2048, 32 heads of 128, 4 KV heads, 128 experts of 768, top-8) but
+fewer of them, so that they fit a small machine's memory with room for the KV cache; with a given GGUF's tokenizer (and so its vocabulary)
 copied in so that the file loads like any other. Codes are uniform random bytes and scales small
 fp16 values: the bytes the kernels stream are those of a real file of that type (the outputs are
 noise). Q4_K_M and Q5_K_M follow llama.cpp's recipe for those file types: Q4_K (Q5_K) everywhere
@@ -27,6 +29,10 @@ SIZES = {  # hidden, layers, intermediate, heads, kv heads
 BLOCK_BYTES = {"Q4_0": (32, 18), "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176),
                "Q6_K": (256, 210)}
 QTYPES = ("Q4_0", "Q5_1", "Q8_0", "Q2_K_M", "Q3_K_M", "Q4_K_M", "Q5_K_M")
+MOE_SIZES = {  # hidden, layers, experts, expert width, top-k, heads, kv heads, head dim
+    "moe-tiny": (256, 2, 8, 256, 2, 4, 2, 64),
+    "moe-16l": (2048, 16, 128, 768, 8, 32, 4, 128),   # Qwen3-30B-A3B's layers, 16 of its 48: 10B parameters
+}
 
 
 def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
@@ -58,7 +64,7 @@ def tensor_type(name: str, qtype: str, layers: int) -> str:
     if base in ("Q2_K", "Q3_K"):
         more = "Q3_K" if base == "Q2_K" else "Q4_K"
         return more if name.endswith(("attn_v.weight", "attn_output.weight", "ffn_down.weight")) else base
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
         i = int(name.split(".")[1])
         more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
         return "Q6_K" if more_bits else base
@@ -69,29 +75,10 @@ def write(size: str, qtype: str, out: Path, tokenizer_from: Path) -> Path:
     """Write `out`/synthetic-llama-`size`-`qtype`.gguf with the tokenizer and chat template of the
     GGUF file `tokenizer_from` (the demo model's, usually), and return its path."""
     hidden, layers, inter, heads, kv_heads = SIZES[size]
-    demo = gguf.GGUFReader(str(tokenizer_from))
-    vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
     path = out / f"synthetic-llama-{size}-{qtype}.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"synthetic llama {size}")
-    w.add_block_count(layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(hidden)
+    w, vocab = _writer(path, "llama", f"synthetic llama {size}", tokenizer_from, layers, hidden, heads, kv_heads)
     w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(500000.0)
-    w.add_vocab_size(vocab)
-    for name, field in demo.fields.items():   # the demo model's tokenizer and chat template
-        if name.startswith("tokenizer."):
-            value = field.contents()
-            vtype = field.types[0]
-            if vtype == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(name, value, vtype, sub_type=field.types[-1])
-            else:
-                w.add_key_value(name, value, vtype)
-    rng = np.random.default_rng(0)
     head_dim = hidden // heads
     shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
     for i in range(layers):
@@ -99,20 +86,92 @@ def write(size: str, qtype: str, out: Path, tokenizer_from: Path) -> Path:
                        f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
                        f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_gate.weight": (inter, hidden),
                        f"blk.{i}.ffn_up.weight": (inter, hidden), f"blk.{i}.ffn_down.weight": (hidden, inter)})
-    norms = ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers) for n in ("attn_norm", "ffn_norm")]
-    for name, (rows, cols) in shapes.items():
-        kind = tensor_type(name, qtype, layers)
+    norms = {n: hidden for n in ["output_norm.weight"] + [f"blk.{i}.{n}.weight" for i in range(layers)
+                                                          for n in ("attn_norm", "ffn_norm")]}
+    _write_tensors(w, {k: (v, tensor_type(k, qtype, layers)) for k, v in shapes.items()}, norms, {})
+    return path
+
+
+def _writer(path: Path, arch: str, name: str, tokenizer_from: Path, layers: int, hidden: int, heads: int,
+            kv_heads: int) -> tuple[gguf.GGUFWriter, int]:
+    """A writer with the common keys and the tokenizer and chat template of the GGUF file
+    `tokenizer_from`; and the vocabulary size."""
+    demo = gguf.GGUFReader(str(tokenizer_from))
+    vocab = len(demo.fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_block_count(layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    for key, field in demo.fields.items():
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, value, vtype, sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, value, vtype)
+    return w, vocab
+
+
+def _write_tensors(w: gguf.GGUFWriter, matrices: dict[str, tuple[tuple[int, ...], str]], ones: dict[str, int],
+                   f32: dict[str, tuple[int, int]]) -> None:
+    """Write the file: `matrices` (name -> ((experts,) rows, cols), type) as random blocks, `ones`
+    (name -> length) as F32 ones (norms), `f32` (name -> (rows, cols)) as small random F32 (routers).
+    One tensor at a time: none in fp32."""
+    rng = np.random.default_rng(0)
+    for name, (shape, kind) in matrices.items():
         per, bs = BLOCK_BYTES[kind]
-        w.add_tensor_info(name, (rows, cols * bs // per), np.dtype(np.uint8), rows * cols * bs // per,
-                          raw_dtype=gguf.GGMLQuantizationType[kind])
-    for name in norms:
-        w.add_tensor_info(name, (hidden,), np.dtype(np.float32), hidden * 4)
+        *lead, rows, cols = shape
+        raw = (*lead, rows, cols * bs // per)
+        w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=gguf.GGMLQuantizationType[kind])
+    for name, n in ones.items():
+        w.add_tensor_info(name, (n,), np.dtype(np.float32), n * 4)
+    for name, (rows, cols) in f32.items():
+        w.add_tensor_info(name, (rows, cols), np.dtype(np.float32), rows * cols * 4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, (rows, cols) in shapes.items():
-        w.write_tensor_data(_blocks(rng, rows, cols, tensor_type(name, qtype, layers)))
-    for _ in norms:
-        w.write_tensor_data(np.ones(hidden, dtype=np.float32))
+    for name, (shape, kind) in matrices.items():
+        *lead, rows, cols = shape
+        n = int(np.prod(lead))   # experts (1: a matrix)
+        w.write_tensor_data(_blocks(rng, n * rows, cols, kind).reshape(*lead, rows, -1))
+    for n in ones.values():
+        w.write_tensor_data(np.ones(n, dtype=np.float32))
+    for rows, cols in f32.values():
+        w.write_tensor_data((rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32))
     w.close()
+
+
+def write_moe(size: str, qtype: str, out: Path, tokenizer_from: Path) -> Path:
+    """Write `out`/synthetic-qwen3moe-`size`-`qtype`.gguf (llama.cpp's "qwen3moe" layout: merged
+    expert tensors ffn_{gate,up,down}_exps, an F32 router ffn_gate_inp, q/k norms) and return its path."""
+    hidden, layers, experts, width, top_k, heads, kv_heads, head_dim = MOE_SIZES[size]
+    path = out / f"synthetic-qwen3moe-{size}-{qtype}.gguf"
+    w, vocab = _writer(path, "qwen3moe", f"synthetic qwen3moe {size}", tokenizer_from, layers, hidden, heads, kv_heads)
+    w.add_feed_forward_length(6 * width)   # (the dense MLP width of the original; no layer here has one)
+    w.add_expert_feed_forward_length(width)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(top_k)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1000000.0)
+    q = heads * head_dim
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (q, hidden), f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, q), f"blk.{i}.ffn_gate_exps.weight": (experts, width, hidden),
+                       f"blk.{i}.ffn_up_exps.weight": (experts, width, hidden),
+                       f"blk.{i}.ffn_down_exps.weight": (experts, hidden, width)})
+    ones = {"output_norm.weight": hidden}
+    for i in range(layers):
+        ones.update({f"blk.{i}.attn_norm.weight": hidden, f"blk.{i}.ffn_norm.weight": hidden,
+                     f"blk.{i}.attn_q_norm.weight": head_dim, f"blk.{i}.attn_k_norm.weight": head_dim})
+    routers = {f"blk.{i}.ffn_gate_inp.weight": (experts, hidden) for i in range(layers)}
+    _write_tensors(w, {k: (v, tensor_type(k, qtype, layers)) for k, v in shapes.items()}, ones, routers)
     return path

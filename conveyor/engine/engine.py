@@ -35,7 +35,7 @@ from conveyor.model.dtype import resolve_dtype
 from conveyor.kv.events import KVEventRecorder, ZmqEventPublisher
 from conveyor.model.cpu_kernels import kernels_digest
 from conveyor.model.loader import (DEMO_NAME, LoadedModel, default_model_name, load_model, model_directory,
-                                   read_config, resolve_model_path)
+                                   read_config, resolve_model_path, weight_bytes_estimate)
 from conveyor.parallel.tp import TPExecutor, WorkerSetup, start_group
 from conveyor.paths import profile_path
 from conveyor.request import Request
@@ -75,6 +75,8 @@ class EngineBackend:
             config.generation_config, path, name == DEMO_NAME, config.override_generation_config)
         logger.info(describe_defaults(self.generation_defaults, source))
         tp = None
+        if loaded is None and config.tensor_parallel_size == 1 and torch.device(config.device).type == "cpu":
+            check_memory(config, path, dtype)
         if config.tensor_parallel_size > 1:
             if config.enable_lora:
                 raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (LoRA deltas are "
@@ -319,6 +321,50 @@ def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype, layout: KVLay
 
 
 
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: /proc/meminfo's MemAvailable, capped by a cgroup v2
+    limit where one is set (a container's); None where neither is known."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_memory(config: EngineConfig, path: Path, dtype: torch.dtype) -> None:
+    """Refuse, before loading anything, a model whose weights plus the KV cache and swap space
+    asked for cannot fit in the memory available (a clear error instead of the kernel's OOM killer
+    mid-load). An estimate from the files' headers (loader.weight_bytes_estimate), no margin:
+    only what certainly cannot fit is refused."""
+    avail = available_memory()
+    if avail is None:
+        return
+    cfg = read_config(model_directory(path, weights=False))
+    layout = KVLayout.from_config(cfg, config.hybrid_kv_cache)
+    blocks, host = kv_cache_blocks(config, cfg, dtype, layout)
+    per_block = KVCacheTensors.bytes_per_block(cfg, config.block_size, dtype.itemsize, layout)
+    weights = weight_bytes_estimate(path, dtype, config.quantization)
+    need = weights + (blocks + host) * per_block
+    if need > avail:
+        gib = 1 << 30
+        raise ValueError(
+            f"not enough memory for {path.name}: its weights (~{weights / gib:.1f} GiB) + the KV cache "
+            f"({blocks * per_block / gib:.2f} GiB) + the swap space ({host * per_block / gib:.2f} GiB) need "
+            f"~{need / gib:.1f} GiB and {avail / gib:.1f} GiB are available; lower --kv-cache-gib / "
+            "--num-kv-blocks or --swap-space-gib, use a smaller or more quantized file, or free memory")
 
 
 def kv_event_publisher(config: EngineConfig, kv: KVCacheManager):

@@ -23,7 +23,7 @@ from conveyor.model import probe_cache
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("bindings.cpp", "paged_attention_cpu.cpp", "fused_ops_cpu.cpp", "gemv_cpu.cpp",
-                                             "decode_layers_cpu.cpp", "quant_cpu.cpp", "lora_cpu.cpp")]
+                                             "decode_layers_cpu.cpp", "quant_cpu.cpp", "lora_cpu.cpp", "moe_cpu.cpp")]
 
 
 def _cpu_flags(flags: set[str] | None = None) -> list[str]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from conveyor.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, TorchPagedAttention
 from conveyor.model.config import ModelConfig
+from conveyor.model.cpu_kernels import load_cpu_kernels
 from conveyor.model.linear import MAX_GEMV_TOKENS, CpuLinear, replace_linears
 from conveyor.model.ops import CpuFusedOps, TorchOps
 from conveyor.model.quant import (NATIVE_BLOCK_BYTES, QuantConcat, QuantEmbedding, QuantLinear, QuantTensor, dense_module,
@@ -170,7 +171,31 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(MLP(cfg, ops, None, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.gelu = cfg.hidden_act != "silu"
         self.last_experts = 0   # distinct experts the last forward ran (for the step profile)
+        # One token's k experts in one C++ call (csrc/moe_cpu.cpp), where every expert's matmuls run
+        # a single token on a kernel it calls (use_token_kernel): per expert, its two weights.
+        self.kernels = None
+        self._gate_up: list[torch.Tensor] = []
+        self._down: list[torch.Tensor] = []
+
+    def use_token_kernel(self, kernels) -> bool:
+        """Run one-token steps through ``kernels.moe_token`` where each expert's gate/up and down
+        take one token on the quantized kernel (QuantLinear) or the C++ GEMV (CpuLinear): the same
+        kernels, activation and rounding as the loop in forward(), so the same bits."""
+        def weight(m) -> torch.Tensor | None:
+            if isinstance(m, QuantLinear) and m.bias is None and not (m.dense_from and m.dense_from <= 1):
+                return m.qweight
+            if isinstance(m, CpuLinear) and m.bias is None and m.gemv_max >= 1 and m.weight is not None:
+                return m.weight
+            return None
+
+        gate_up = [weight(e.gate_up_proj) for e in self.experts]
+        down = [weight(e.down_proj) for e in self.experts]
+        if kernels is None or not hasattr(kernels, "moe_token") or any(w is None for w in gate_up + down):
+            return False
+        self.kernels, self._gate_up, self._down = kernels, gate_up, down
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing weights [tokens, k] (x's dtype) and expert ids [tokens, k] of each token."""
@@ -187,9 +212,13 @@ class SparseMoE(nn.Module):
         if x.shape[0] == 1:   # one token: its k experts, in ascending order
             ids, order = ids[0].sort()
             w = weights[0, order]
+            self.last_experts = self.top_k
+            if self.kernels is not None:
+                chosen = ids.tolist()
+                return self.kernels.moe_token(x, [self._gate_up[e] for e in chosen], [self._down[e] for e in chosen],
+                                              w.contiguous(), self.gelu)
             for j, e in enumerate(ids.tolist()):
                 out.add_(experts[e].forward(x) * w[j])
-            self.last_experts = self.top_k
             return out
         flat = ids.flatten()
         order = flat.argsort(stable=True)    # (token, slot) pairs grouped by expert, tokens ascending
@@ -440,7 +469,13 @@ class LlamaForCausalLM(nn.Module):
                   for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
         width = min(widths, default=0)
         # The fused loop takes q/k/v in up to three pieces (QuantConcat), gate/up in one.
-        # (Routed MLPs are not in the fused loop: a MoE model's steps run the Python layer loop.)
+        # (Routed MLPs are not in the fused loop: a MoE model's steps run the Python layer loop, a
+        # one-token step's experts in one C++ call each layer.)
+        if isinstance(self.ops, CpuFusedOps):
+            kernels = load_cpu_kernels()
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp.use_token_kernel(kernels)
         fusable = not self.cfg.is_moe and not any(isinstance(layer.mlp.gate_up_proj, QuantConcat)
                                                   for layer in self.layers)
         if width and fusable and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \

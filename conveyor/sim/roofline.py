@@ -1,7 +1,9 @@
 """A roofline cost model for named GPUs: a model built from datasheet numbers, not a measurement.
 
 A step's time is the larger of its matmul + attention FLOPs at the GPU's dense bf16 peak and
-its bytes (weights once, the KV the step reads and writes) at its memory bandwidth, each scaled
+its bytes (weights once, the KV the step reads and writes) at its memory bandwidth; a
+mixture-of-experts model's step reads only the experts its tokens route to (expected distinct
+experts of T tokens each picking k of E: E (1 - (1 - k/E)^T)) and computes k per token, each scaled
 by an efficiency factor, plus a fixed per-step overhead, plus — with tensor parallelism — two
 ring all-reduces of the step's activations per layer over NVLink. Swaps cross PCIe.
 Assumptions and what they leave out are written in docs/simulator.md. No torch here.
@@ -47,25 +49,59 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    experts: int = 0              # > 0: routed MLPs (every layer), `experts_per_token` of them per token
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict, name: str = "model") -> ModelShape:
         heads = config["num_attention_heads"]
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        moe = {}
+        if experts:
+            moe = {"experts": experts, "experts_per_token": config.get("num_experts_per_tok", 2),
+                   "expert_intermediate": config.get("moe_intermediate_size") or config["intermediate_size"]}
         return cls(name, config["hidden_size"], config["num_hidden_layers"], heads,
                    config.get("num_key_value_heads") or heads,
                    config.get("head_dim") or config["hidden_size"] // heads,
-                   config["intermediate_size"], config["vocab_size"])
+                   config["intermediate_size"], config["vocab_size"], **moe)
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and o of one layer."""
+        q = self.heads * self.head_dim
+        return self.hidden * (q + 2 * self.kv_heads * self.head_dim) + q * self.hidden
 
     @property
     def layer_params(self) -> int:
-        """Matmul weights of one decoder layer (q, k, v, o, gate, up, down)."""
-        q = self.heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        """Matmul weights of one decoder layer (q, k, v, o, gate, up, down; a MoE layer: every
+        expert's and the router)."""
+        if self.experts:
+            return self.attention_params + self.experts * (3 * self.hidden * self.expert_intermediate + self.hidden)
+        return self.attention_params + 3 * self.hidden * self.intermediate
 
     @property
     def matmul_params(self) -> int:
         return self.layers * self.layer_params
+
+    @property
+    def active_params(self) -> int:
+        """Matmul weights one token multiplies (a MoE layer: its k experts and the router)."""
+        if not self.experts:
+            return self.matmul_params
+        per = self.attention_params + self.experts_per_token * 3 * self.hidden * self.expert_intermediate \
+            + self.experts * self.hidden
+        return self.layers * per
+
+    def read_params(self, tokens: int) -> float:
+        """Matmul weights a step of `tokens` tokens reads: all of them for a dense model; for a MoE
+        model the experts its tokens route to, E (1 - (1 - k/E)^T) expected per layer with uniform
+        routing (an upper bound: real routers favour some experts, so batches share more)."""
+        if not self.experts:
+            return self.matmul_params
+        touched = self.experts * (1 - (1 - self.experts_per_token / self.experts) ** max(tokens, 1))
+        expert = 3 * self.hidden * self.expert_intermediate
+        return self.layers * (self.attention_params + self.experts * self.hidden + touched * expert)
 
     @property
     def params(self) -> int:
@@ -84,6 +120,8 @@ MODEL_PRESETS = {
     "llama-3.1-70b": ModelShape("Llama-3.1-70B", 8192, 80, 64, 8, 128, 28672, 128256),
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 3584, 28, 28, 4, 128, 18944, 152064),
     "mistral-7b": ModelShape("Mistral-7B", 4096, 32, 32, 8, 128, 14336, 32000),
+    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 2048, 48, 32, 4, 128, 6144, 151936, 128, 8, 768),
+    "mixtral-8x7b": ModelShape("Mixtral-8x7B", 4096, 32, 32, 8, 128, 14336, 32000, 8, 2, 14336),
 }
 
 
@@ -116,13 +154,13 @@ class RooflineCostModel:
         m = self.model
         tokens = s.prefill_tokens + s.decode_tokens
         attention = 4 * m.layers * m.heads * m.head_dim * (s.prefill_attention + s.decode_context)
-        return 2 * m.matmul_params * tokens + attention + 2 * m.hidden * m.vocab * s.num_sampled
+        return 2 * m.active_params * tokens + attention + 2 * m.hidden * m.vocab * s.num_sampled
 
     def bytes(self, s: StepShape) -> float:
         """Bytes one GPU moves: its share of the weights once; the cached KV the step reads (each
         context once) and the KV of every token it computes, written once."""
         m = self.model
-        weights = m.matmul_params + (m.vocab * m.hidden if s.num_sampled else 0)
+        weights = m.read_params(s.prefill_tokens + s.decode_tokens) + (m.vocab * m.hidden if s.num_sampled else 0)
         kv_tokens = s.decode_context + s.prefill_context + s.prefill_tokens + s.decode_tokens
         return weights * self.dtype_bytes / self.tp + self.model.kv_bytes_per_token(self.dtype_bytes, self.tp) * kv_tokens
 

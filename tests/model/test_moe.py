@@ -53,8 +53,10 @@ def test_moe_model_matches_transformers(tiny_models, name):
 
 def test_a_step_runs_each_expert_it_touches_once(tiny_models):
     """The tokens of a step are grouped by expert: each expert the step routes to runs once over
-    all its tokens (an expert shared by several tokens is read once), a lone token only its k."""
+    all its tokens (an expert shared by several tokens is read once), a lone token only its k
+    (here through the Python loop; the one-call kernel: the test below)."""
     moe = tiny_models("mixtral").model.layers[0].mlp
+    kernels, moe.kernels = moe.kernels, None
     calls: list[int] = []
     for e in moe.experts:
         forward = e.forward
@@ -70,6 +72,7 @@ def test_a_step_runs_each_expert_it_touches_once(tiny_models):
         assert calls == [1] * 32 and moe.last_experts == 2
         torch.testing.assert_close(torch.cat(rows), out, rtol=0, atol=1e-6)
     finally:
+        moe.kernels = kernels
         for e in moe.experts:
             del e.forward
 
@@ -252,3 +255,33 @@ def test_moe_through_the_engine_with_prefix_hits_and_preemption(tiny_models, nam
         assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0, mode
         assert stats.kv_invariant_checks > 0 and stats.kv_invariant_violations == 0
         assert [o.outputs[0].token_ids for o in outs] == want, mode
+
+
+@pytest.mark.skipif(KERNELS is None, reason="the C++ kernels do not build here")
+@pytest.mark.parametrize("qtype, int8, dtype", [("Q8_0", False, torch.float32), ("Q8_0", None, torch.float32),
+                                                ("Q4_0", None, torch.bfloat16), ("Q4_K", None, torch.bfloat16)])
+def test_one_token_experts_in_one_call_give_the_python_loops_bits(tiny_models, tmp_path, monkeypatch, qtype, int8,
+                                                                  dtype):
+    """A one-token step runs its k experts in one C++ call (gate/up, activation, down, weighted
+    sum): the same bits as the per-expert loop, for quantized experts on either kernel and in
+    fp32 and bf16 -- so a token's numbers do not depend on whether it decodes alone."""
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    if qtype == "Q4_K" and not KERNELS.quant_int8_native():
+        pytest.skip("K-quants run on the int8 kernel: no AVX512-VNNI or AVX2 here")
+    name = "qwen3_moe_256" if qtype == "Q4_K" else "mixtral"
+    path = _write_moe_gguf(tiny_models(name).hf, tmp_path / f"{name}-{qtype}.gguf", qtype)
+    cfg = read_config(convert_gguf(path, weights=False))
+    model = build_model(cfg, gguf_native_weights(path, cfg, (qtype,)), dtype=dtype, int8_activations=int8)
+    moe = model.layers[0].mlp
+    assert moe.kernels is not None
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(1, cfg.hidden_size, generator=g).to(dtype)
+        with torch.inference_mode():
+            got = moe.forward(x)
+            kernels, moe.kernels = moe.kernels, None
+            try:
+                want = moe.forward(x)
+            finally:
+                moe.kernels = kernels
+        assert torch.equal(got, want)

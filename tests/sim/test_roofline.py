@@ -82,3 +82,35 @@ def test_model_shape_from_an_hf_config(tmp_path):
     assert shape.kv_heads == 4 and shape.head_dim == 16 and shape.kv_bytes_per_token(2) == 2 * 2 * 4 * 16 * 2
     with pytest.raises(ValueError, match="preset"):
         model_shape("no-such-model")
+
+
+def test_moe_steps_read_the_experts_their_tokens_route_to():
+    """Qwen3-30B-A3B: 30.5B parameters, ~3.3B active per token. A batch-1 decode reads the
+    attention, the routers and 8 of 128 experts per layer; a large batch reads nearly all of them,
+    so its step costs about what a dense 30B model's does, while its FLOPs stay those of 3B."""
+    moe = MODEL_PRESETS["qwen3-30b-a3b"]
+    assert moe.params == pytest.approx(30.5e9, rel=0.02)
+    assert moe.active_params + 2 * moe.vocab * moe.hidden == pytest.approx(3.3e9, rel=0.05)
+    assert moe.read_params(1) == pytest.approx(moe.active_params, rel=1e-9)
+    assert moe.read_params(1) < moe.read_params(8) < moe.read_params(64) < moe.matmul_params
+    assert moe.read_params(1024) == pytest.approx(moe.matmul_params, rel=1e-6)
+    m = RooflineCostModel(GPUS["h200"], moe)
+    one, many = m.shape_time(decode(1, 128)), m.shape_time(decode(128, 128))
+    dense = replace(moe, experts=0, intermediate=moe.experts * moe.expert_intermediate)   # the same bytes, all read
+    assert one < 0.3 * RooflineCostModel(GPUS["h200"], dense).shape_time(decode(1, 128))
+    assert one < many < 1.2 * RooflineCostModel(GPUS["h200"], dense).shape_time(decode(128, 128))
+    assert m.flops(decode(64, 128)) < 0.2 * RooflineCostModel(GPUS["h200"], dense).flops(decode(64, 128))
+
+
+def test_a_moe_config_json_gives_its_shape(tmp_path):
+    import json
+
+    for cfg, experts, width in (({"model_type": "qwen3_moe", "num_experts": 64, "num_experts_per_tok": 8,
+                                  "moe_intermediate_size": 512, "intermediate_size": 3072}, 64, 512),
+                                ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "intermediate_size": 1024}, 8, 1024)):
+        (tmp_path / "config.json").write_text(json.dumps({
+            "num_attention_heads": 8, "hidden_size": 512, "num_hidden_layers": 4, "vocab_size": 1000, **cfg}))
+        shape = model_shape(str(tmp_path))
+        assert (shape.experts, shape.expert_intermediate) == (experts, width)
+        assert shape.active_params < shape.matmul_params
