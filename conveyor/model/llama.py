@@ -164,7 +164,8 @@ class SparseMoE(nn.Module):
     over its tokens, so an expert shared by several tokens is read once; at one token only its k
     experts are read. A token's expert outputs are summed in ascending expert order whatever it is
     batched with (as transformers does), so its numbers do not depend on the step's other tokens
-    beyond what its matmuls do."""
+    beyond what its matmuls do. Where every expert's matmuls take the step's groups on a C++ kernel
+    (use_kernels), the whole MLP is one call (csrc/moe_cpu.cpp) with the same bits."""
 
     def __init__(self, cfg: ModelConfig, ops: TorchOps):
         super().__init__()
@@ -172,29 +173,36 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)   # the router
         self.experts = nn.ModuleList(MLP(cfg, ops, None, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.gelu = cfg.hidden_act != "silu"
-        self.last_experts = 0   # distinct experts the last forward ran (for the step profile)
-        # One token's k experts in one C++ call (csrc/moe_cpu.cpp), where every expert's matmuls run
-        # a single token on a kernel it calls (use_token_kernel): per expert, its two weights.
+        self.last_experts = 0   # distinct experts the last forward ran
+        # The one-call path: the kernels, each expert's two weights, and up to how many tokens
+        # per expert every expert's matmuls run on the kernel linear_raw calls (0: never).
         self.kernels = None
+        self.kernel_tokens = 0
         self._gate_up: list[torch.Tensor] = []
         self._down: list[torch.Tensor] = []
+        self._one: torch.Tensor | None = None   # a lone token's pairs: row 0, k times
 
-    def use_token_kernel(self, kernels) -> bool:
-        """Run one-token steps through ``kernels.moe_token`` where each expert's gate/up and down
-        take one token on the quantized kernel (QuantLinear) or the C++ GEMV (CpuLinear): the same
-        kernels, activation and rounding as the loop in forward(), so the same bits."""
-        def weight(m) -> torch.Tensor | None:
-            if isinstance(m, QuantLinear) and m.bias is None and not (m.dense_from and m.dense_from <= 1):
-                return m.qweight
-            if isinstance(m, CpuLinear) and m.bias is None and m.gemv_max >= 1 and m.weight is not None:
-                return m.weight
-            return None
+    def use_kernels(self, kernels) -> bool:
+        """Run steps whose experts each take at most `kernel_tokens` tokens through
+        ``kernels.moe_experts``: where each expert's gate/up and down run such a group on the
+        quantized kernel (QuantLinear: up to its fused width) or the C++ GEMV (CpuLinear: up to
+        its gemv_max), as the fused decode loop decides for dense layers -- the same kernels,
+        activation and rounding as the loop in forward(), so the same bits."""
+        def path(m) -> tuple[torch.Tensor | None, int]:
+            if isinstance(m, QuantLinear) and m.bias is None:
+                return m.qweight, m.fused_width()
+            if isinstance(m, CpuLinear) and m.bias is None and m.weight is not None:
+                return m.weight, m.gemv_max
+            return None, 0
 
-        gate_up = [weight(e.gate_up_proj) for e in self.experts]
-        down = [weight(e.down_proj) for e in self.experts]
-        if kernels is None or not hasattr(kernels, "moe_token") or any(w is None for w in gate_up + down):
+        paths = [(path(e.gate_up_proj), path(e.down_proj)) for e in self.experts]
+        width = min((n for pair in paths for _, n in pair), default=0)
+        if kernels is None or not hasattr(kernels, "moe_experts") or width < 1:
             return False
-        self.kernels, self._gate_up, self._down = kernels, gate_up, down
+        self.kernels, self.kernel_tokens = kernels, width
+        self._one = torch.zeros(self.top_k, dtype=torch.int64)
+        self._gate_up = [gu for (gu, _), _ in paths]
+        self._down = [dn for _, (dn, _) in paths]
         return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,32 +215,36 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         weights, ids = self.route(x)   # (LoRA on MoE models is refused at engine start)
-        out = torch.zeros_like(x)
-        experts = self.experts
         if x.shape[0] == 1:   # one token: its k experts, in ascending order
             ids, order = ids[0].sort()
             w = weights[0, order]
             self.last_experts = self.top_k
+            chosen = ids.tolist()
             if self.kernels is not None:
-                chosen = ids.tolist()
-                return self.kernels.moe_token(x, [self._gate_up[e] for e in chosen], [self._down[e] for e in chosen],
-                                              w.contiguous(), self.gelu)
-            for j, e in enumerate(ids.tolist()):
-                out.add_(experts[e].forward(x) * w[j])
+                return self.kernels.moe_experts(x, self._one, [1] * self.top_k, [self._gate_up[e] for e in chosen],
+                                                [self._down[e] for e in chosen], w, self.gelu)
+            out = torch.zeros_like(x)
+            for j, e in enumerate(chosen):
+                out.add_(self.experts[e].forward(x) * w[j])
             return out
         flat = ids.flatten()
         order = flat.argsort(stable=True)    # (token, slot) pairs grouped by expert, tokens ascending
         tokens = order // self.top_k
-        w = weights.flatten()[order].unsqueeze(1)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        start = used = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = tokens[start:start + n]
-                out.index_add_(0, rows, experts[e].forward(x[rows]) * w[start:start + n])
-                start += n
-                used += 1
-        self.last_experts = used
+        w = weights.flatten()[order]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        used = counts.nonzero().flatten().tolist()
+        sizes = counts[used].tolist()
+        self.last_experts = len(used)
+        if self.kernels is not None and max(sizes) <= self.kernel_tokens:
+            return self.kernels.moe_experts(x, tokens, sizes, [self._gate_up[e] for e in used],
+                                            [self._down[e] for e in used], w, self.gelu)
+        out = torch.zeros_like(x)
+        w = w.unsqueeze(1)
+        start = 0
+        for e, n in zip(used, sizes):
+            rows = tokens[start:start + n]
+            out.index_add_(0, rows, self.experts[e].forward(x[rows]) * w[start:start + n])
+            start += n
         return out
 
 
@@ -469,13 +481,13 @@ class LlamaForCausalLM(nn.Module):
                   for m in layer.modules() if isinstance(m, (CpuLinear, QuantLinear)) and id(m) not in copies]
         width = min(widths, default=0)
         # The fused loop takes q/k/v in up to three pieces (QuantConcat), gate/up in one.
-        # (Routed MLPs are not in the fused loop: a MoE model's steps run the Python layer loop, a
-        # one-token step's experts in one C++ call each layer.)
+        # (Routed MLPs are not in the fused loop: a MoE model's steps run the Python layer loop, its
+        # routed MLP in one C++ call per layer where the experts' kernels take the step.)
         if isinstance(self.ops, CpuFusedOps):
             kernels = load_cpu_kernels()
             for layer in self.layers:
                 if isinstance(layer.mlp, SparseMoE):
-                    layer.mlp.use_token_kernel(kernels)
+                    layer.mlp.use_kernels(kernels)
         fusable = not self.cfg.is_moe and not any(isinstance(layer.mlp.gate_up_proj, QuantConcat)
                                                   for layer in self.layers)
         if width and fusable and self.tp is None and isinstance(self.attn_backend, CpuPagedAttention) \

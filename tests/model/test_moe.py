@@ -260,11 +260,11 @@ def test_moe_through_the_engine_with_prefix_hits_and_preemption(tiny_models, nam
 @pytest.mark.skipif(KERNELS is None, reason="the C++ kernels do not build here")
 @pytest.mark.parametrize("qtype, int8, dtype", [("Q8_0", False, torch.float32), ("Q8_0", None, torch.float32),
                                                 ("Q4_0", None, torch.bfloat16), ("Q4_K", None, torch.bfloat16)])
-def test_one_token_experts_in_one_call_give_the_python_loops_bits(tiny_models, tmp_path, monkeypatch, qtype, int8,
-                                                                  dtype):
-    """A one-token step runs its k experts in one C++ call (gate/up, activation, down, weighted
-    sum): the same bits as the per-expert loop, for quantized experts on either kernel and in
-    fp32 and bf16 -- so a token's numbers do not depend on whether it decodes alone."""
+def test_the_routed_mlp_in_one_call_gives_the_python_loops_bits(tiny_models, tmp_path, monkeypatch, qtype, int8, dtype):
+    """Steps whose experts take their tokens on the C++ kernels run the whole routed MLP in one
+    call (grouped by expert: gate/up, activation, down, weighted sums): the same bits as the
+    per-expert loop, for one token and for several, quantized experts on either kernel, fp32 and
+    bf16 -- so a token's numbers do not depend on which path its step took."""
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
     if qtype == "Q4_K" and not KERNELS.quant_int8_native():
         pytest.skip("K-quants run on the int8 kernel: no AVX512-VNNI or AVX2 here")
@@ -273,15 +273,16 @@ def test_one_token_experts_in_one_call_give_the_python_loops_bits(tiny_models, t
     cfg = read_config(convert_gguf(path, weights=False))
     model = build_model(cfg, gguf_native_weights(path, cfg, (qtype,)), dtype=dtype, int8_activations=int8)
     moe = model.layers[0].mlp
-    assert moe.kernels is not None
+    assert moe.kernels is not None and moe.kernel_tokens >= 8
     g = torch.Generator().manual_seed(3)
-    for _ in range(4):
-        x = torch.randn(1, cfg.hidden_size, generator=g).to(dtype)
+    for tokens in (1, 1, 3, 9):
+        x = torch.randn(tokens, cfg.hidden_size, generator=g).to(dtype)
         with torch.inference_mode():
+            assert torch.bincount(moe.route(x)[1].flatten()).max() <= moe.kernel_tokens   # the kernel takes it
             got = moe.forward(x)
             kernels, moe.kernels = moe.kernels, None
             try:
                 want = moe.forward(x)
             finally:
                 moe.kernels = kernels
-        assert torch.equal(got, want)
+        assert torch.equal(got, want), tokens

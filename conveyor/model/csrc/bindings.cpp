@@ -29,6 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("attn_prefetch", &attn_prefetch, "tokens ahead paged attention asks for K/V rows into L2");
     m.def("decode_layers", &decode_layers, "every decoder layer of a decode step of a few tokens, matmuls on the GEMV");
     m.def("lora_sgmv_", &lora_sgmv_, "y[i] += (A_g x[i]) Bt_g for each row i of LoRA group g (rows sorted by group; in place; one call per matmul)");
-    m.def("moe_token", &moe_token, "one token through its k routed experts (gate/up, activation, down, weighted sum) in one call");
+    m.def("moe_experts", &moe_experts, "a MoE MLP over a step's tokens grouped by expert (gate/up, activation, down, weighted sums) in one call");
     m.def("argmax_rows", &argmax_rows, "greedy token per row: (first argmax, max or NaN if non-finite)");
 }

@@ -31,8 +31,9 @@ void set_gemv_prefetch_single(bool on);
 bool gemv_prefetch_single();
 void set_attn_prefetch(int64_t tokens);
 int64_t attn_prefetch();
-torch::Tensor moe_token(torch::Tensor x, std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down,
-                        torch::Tensor weights, bool gelu);
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor tokens, std::vector<int64_t> counts,
+                          std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, torch::Tensor weights,
+                          bool gelu);
 void lora_sgmv_(torch::Tensor y, torch::Tensor x, torch::Tensor order, torch::Tensor starts,
                 std::vector<torch::Tensor> a, std::vector<torch::Tensor> bt);
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
