@@ -12,11 +12,14 @@ Each round runs, in alternating order:
   *active* parameters (attention, router, the k experts' share of each MoE layer, the LM head) over
   the memory bandwidth measured in the same process (a 1 GiB sum); batched throughput with N
   streams (N distinct 16-token prompts, `--tokens` each, submitted at once: generated tokens over
-  the wall time, prefill included); peak RSS (before the bandwidth probe). Its KV cache holds what
+  the wall time, prefill included; the distinct experts a layer ran in the last step, all N
+  decoding); decode steps of N sequences of random tokens (as llama-batched-bench's, whose S_TG
+  they compare with; a random model's greedy streams repeat one token and all route alike); peak RSS (before the bandwidth probe). Its KV cache holds what
   llama.cpp's context does (every stream's prompt and output), no swap pool.
 - **llama.cpp** (benchmarks/peers/setup_llamacpp.sh): `llama-bench -p 0 -n TOKENS` over threads
   1..cores (the best is kept), and `llama-batched-bench -npp 16 -ntg TOKENS -npl N` at ubatch 512
-  and 2048 (the best is kept; its generated tokens over its total time); peak RSS of each process.
+  and 2048 (the best is kept; its generated tokens over its total time, and its decode speed S_TG,
+  which it measures on random tokens); peak RSS of each process.
 
 Writes benchmarks/results/moe_<size>_<qtype>.json and a line in docs/benchmarks.md with the CPU
 model and flags. `--no-llamacpp` measures Conveyor alone.
@@ -94,7 +97,7 @@ def conveyor_worker(model: str, tokens: int, streams: list[int]) -> dict:
         times.append(time.perf_counter() - t)
         assert len(out[0].outputs[0].token_ids) == tokens
     b1 = tokens / statistics.median(times)
-    batched = {}
+    batched, experts = {}, {}
     vocab = engine.model_config.vocab_size
     for n in streams:
         prompts = [{"prompt_token_ids": [(37 * i + 101 * j) % (vocab - 1) + 1 for j in range(PROMPT)]} for i in range(n)]
@@ -104,6 +107,25 @@ def conveyor_worker(model: str, tokens: int, streams: list[int]) -> dict:
         wall = time.perf_counter() - t
         assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
         batched[n] = n * tokens / wall
+        moes = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "last_experts")]
+        experts[n] = statistics.mean(m.last_experts for m in moes)   # the last step's (all n decoding)
+    # Decode steps of N sequences of random tokens (as llama-batched-bench feeds them: a random model's
+    # greedy outputs repeat one token, which sends every stream to the same experts), 64 tokens of
+    # context each: N over the median step time.
+    from conveyor.profile import _Plans
+
+    plans = _Plans(engine, seed=1)
+    decode = {}
+    for n in streams:
+        steps = []
+        for _ in range(8):
+            plan = plans.plan([plans.seq(PROMPT + tokens // 2, 1) for _ in range(n)])
+            t = time.perf_counter()
+            engine.runner.execute(plan)
+            steps.append(time.perf_counter() - t)
+        moes = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "last_experts")]
+        decode[n] = {"tok_s": n / statistics.median(steps[2:]),
+                     "distinct_experts_per_layer": statistics.mean(m.last_experts for m in moes)}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the bandwidth probe's 1 GiB
     x = torch.ones((1 << 30) // 4)
     bw = statistics.median(bandwidth(x) for _ in range(3))
@@ -111,7 +133,8 @@ def conveyor_worker(model: str, tokens: int, streams: list[int]) -> dict:
     act = active_bytes(engine.runner.model)
     return {"load_s": load_s, "dtype": engine.dtype, "b1_tok_s": b1, "bandwidth_gb_s": bw / 1e9,
             "active_bytes": act, "floor_tok_s": bw / act["active"], "b1_vs_floor": (bw / act["active"]) / b1,
-            "batched_tok_s": batched, "peak_rss_mib": rss,
+            "batched_tok_s": batched, "distinct_experts_per_layer": experts, "decode_random": decode,
+            "peak_rss_mib": rss,
             "weights": engine.loaded.model.weight_bytes_summary()}
 
 
@@ -143,7 +166,7 @@ def run_llamacpp(model: str, tokens: int, streams: list[int]) -> dict:
         rss = max(rss, peak)
         if best_b1 is None or row["avg_ts"] > best_b1["tok_s"]:
             best_b1 = {"tok_s": row["avg_ts"], "threads": threads, "build": row.get("build_commit")}
-    batched, settings = {}, {}
+    batched, settings, decode = {}, {}, {}
     ctx = max(streams) * (PROMPT + tokens) + 64
     for ubatch in (512, 2048):
         out, peak = _child([str(LLAMA / "llama-batched-bench"), "-m", model, "-c", str(ctx), "-b", "2048",
@@ -157,8 +180,9 @@ def run_llamacpp(model: str, tokens: int, streams: list[int]) -> dict:
                 speed = n * int(row["tg"]) / float(row["t"])
                 if speed > batched.get(str(n), 0):   # (string keys, as in the workers' JSON)
                     batched[str(n)], settings[str(n)] = speed, {"ubatch": ubatch, "threads": cores}
+                    decode[str(n)] = float(row["speed_tg"])
     return {"b1_tok_s": best_b1["tok_s"], "b1_threads": best_b1["threads"], "build": best_b1["build"],
-            "batched_tok_s": batched, "batched_settings": settings, "peak_rss_mib": rss}
+            "batched_tok_s": batched, "decode_tok_s": decode, "batched_settings": settings, "peak_rss_mib": rss}
 
 
 def main() -> None:
@@ -208,22 +232,31 @@ def main() -> None:
               "streams": args.streams, "rounds": args.rounds, "runs": runs,
               "conveyor": {"b1_tok_s": med("conveyor", "b1_tok_s"), "b1_vs_floor": med("conveyor", "b1_vs_floor"),
                            "batched_tok_s": {n: med("conveyor", "batched_tok_s", n) for n in args.streams},
+                           "decode_random_tok_s": {n: statistics.median(x["decode_random"][str(n)]["tok_s"] for x in c)
+                                                   for n in args.streams},
                            "peak_rss_mib": max(x["peak_rss_mib"] for x in c),
                            "load_s": [x["load_s"] for x in c]}}
     line = (f"MoE {Path(args.model).name} ({result['file_gb']:.1f} GB), {c[0]['dtype']}: batch-1 "
             f"{result['conveyor']['b1_tok_s']:.1f} tok/s, {result['conveyor']['b1_vs_floor']:.2f}x the active-bytes floor; "
             + ", ".join(f"{n} streams {v:.1f} tok/s" for n, v in result["conveyor"]["batched_tok_s"].items())
+            + "; decode steps of random tokens "
+            + ", ".join(f"{n} streams {v:.1f} tok/s" for n, v in result["conveyor"]["decode_random_tok_s"].items())
             + f"; peak RSS {result['conveyor']['peak_rss_mib']:.0f} MiB")
     if peer:
         lb1 = med("llama.cpp", "b1_tok_s")
         lbatch = {n: med("llama.cpp", "batched_tok_s", n) for n in args.streams}
         lrss = max(x["peak_rss_mib"] for x in runs["llama.cpp"])
-        result["llama.cpp"] = {"b1_tok_s": lb1, "batched_tok_s": lbatch, "peak_rss_mib": lrss}
-        result["ratios"] = {"b1": result["conveyor"]["b1_tok_s"] / lb1,
-                            **{f"streams_{n}": result["conveyor"]["batched_tok_s"][n] / lbatch[n] for n in args.streams},
-                            "peak_rss": result["conveyor"]["peak_rss_mib"] / lrss}
+        ldec = {n: med("llama.cpp", "decode_tok_s", n) for n in args.streams}
+        result["llama.cpp"] = {"b1_tok_s": lb1, "batched_tok_s": lbatch, "decode_tok_s": ldec, "peak_rss_mib": lrss}
+        cv = result["conveyor"]
+        result["ratios"] = {"b1": cv["b1_tok_s"] / lb1,
+                            **{f"streams_{n}": cv["batched_tok_s"][n] / lbatch[n] for n in args.streams},
+                            **{f"decode_{n}": cv["decode_random_tok_s"][n] / ldec[n] for n in args.streams},
+                            "peak_rss": cv["peak_rss_mib"] / lrss}
         line += (f"; llama.cpp batch-1 {lb1:.1f} ({result['ratios']['b1']:.2f}x), "
                  + ", ".join(f"{n} streams {lbatch[n]:.1f} ({result['ratios'][f'streams_{n}']:.2f}x)" for n in args.streams)
+                 + ", its decode (S_TG) " + ", ".join(f"{n} streams {ldec[n]:.1f} ({result['ratios'][f'decode_{n}']:.2f}x)"
+                                                     for n in args.streams)
                  + f", peak RSS {lrss:.0f} MiB")
     save(f"moe_{args.size}_{args.qtype}", result, line + f" (medians of {args.rounds} interleaved rounds)")
 

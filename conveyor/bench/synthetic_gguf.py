@@ -35,7 +35,7 @@ MOE_SIZES = {  # hidden, layers, experts, expert width, top-k, heads, kv heads, 
 }
 
 
-def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.ndarray:
+def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, gain: float = 1.0) -> np.ndarray:
     """[rows, cols / block * block bytes] uint8: random codes and sub-block scales, small fp16
     (super-)block scales, so that weights are ~ 1/sqrt(cols)."""
     per, bs = BLOCK_BYTES[qtype]
@@ -47,7 +47,7 @@ def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) -> np.nd
             "Q5_K": 2 / (16 * 40 * np.sqrt(cols)),
             "Q6_K": 2 / (32 * 80 * np.sqrt(cols)), "Q5_1": 2 / (16 * np.sqrt(cols))}.get(qtype, 2 / (8 * np.sqrt(cols)))
     count = (where.stop - where.start) // 2
-    scale = (rng.random((rows, nb, count), dtype=np.float32) * span).astype(np.float16)
+    scale = (rng.random((rows, nb, count), dtype=np.float32) * (span * gain)).astype(np.float16)
     data[:, :, where] = scale.view(np.uint8).reshape(rows, nb, 2 * count)
     return data.reshape(rows, nb * bs)
 
@@ -119,10 +119,10 @@ def _writer(path: Path, arch: str, name: str, tokenizer_from: Path, layers: int,
 
 
 def _write_tensors(w: gguf.GGUFWriter, matrices: dict[str, tuple[tuple[int, ...], str]], ones: dict[str, int],
-                   f32: dict[str, tuple[int, int]]) -> None:
-    """Write the file: `matrices` (name -> ((experts,) rows, cols), type) as random blocks, `ones`
-    (name -> length) as F32 ones (norms), `f32` (name -> (rows, cols)) as small random F32 (routers).
-    One tensor at a time: none in fp32."""
+                   f32: dict[str, tuple[int, int]], gains: dict[str, float] | None = None) -> None:
+    """Write the file: `matrices` (name -> ((experts,) rows, cols), type) as random blocks (their
+    weights scaled by `gains`' factor where named), `ones` (name -> length) as F32 ones (norms),
+    `f32` (name -> (rows, cols)) as small random F32 (routers). One tensor at a time: none in fp32."""
     rng = np.random.default_rng(0)
     for name, (shape, kind) in matrices.items():
         per, bs = BLOCK_BYTES[kind]
@@ -139,11 +139,13 @@ def _write_tensors(w: gguf.GGUFWriter, matrices: dict[str, tuple[tuple[int, ...]
     for name, (shape, kind) in matrices.items():
         *lead, rows, cols = shape
         n = int(np.prod(lead))   # experts (1: a matrix)
-        w.write_tensor_data(_blocks(rng, n * rows, cols, kind).reshape(*lead, rows, -1))
+        gain = (gains or {}).get(name, 1.0)
+        w.write_tensor_data(_blocks(rng, n * rows, cols, kind, gain).reshape(*lead, rows, -1))
     for n in ones.values():
         w.write_tensor_data(np.ones(n, dtype=np.float32))
-    for rows, cols in f32.values():
-        w.write_tensor_data((rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32))
+    for rows, cols in f32.values():   # rows of zero mean: blind to what every token's stream has in common
+        r = rng.standard_normal((rows, cols), dtype=np.float32)
+        w.write_tensor_data(((r - r.mean(axis=1, keepdims=True)) / np.sqrt(cols)).astype(np.float32))
     w.close()
 
 
@@ -173,5 +175,12 @@ def write_moe(size: str, qtype: str, out: Path, tokenizer_from: Path) -> Path:
         ones.update({f"blk.{i}.attn_norm.weight": hidden, f"blk.{i}.ffn_norm.weight": hidden,
                      f"blk.{i}.attn_q_norm.weight": head_dim, f"blk.{i}.attn_k_norm.weight": head_dim})
     routers = {f"blk.{i}.ffn_gate_inp.weight": (experts, hidden) for i in range(layers)}
-    _write_tensors(w, {k: (v, tensor_type(k, qtype, layers)) for k, v in shapes.items()}, ones, routers)
+    # Random blocks have a common component (codes 0-15 times positive scales, less the minima), and
+    # with every weight random the layers' outputs soon dominate the residual stream and look alike
+    # for every token: the routers then sent all tokens to the same few experts (at 32 tokens 24-37
+    # distinct experts of 128 per layer). Trained routers spread a batch over the experts (training
+    # balances their load): routers of zero-mean rows and outputs scaled down 20x (each token's
+    # embedding stays in the stream) bring that back (benchmarks/moe.py reports the distinct experts).
+    gains = {k: 0.05 for k in shapes if k.endswith(("attn_output.weight", "ffn_down_exps.weight"))}
+    _write_tensors(w, {k: (v, tensor_type(k, qtype, layers)) for k, v in shapes.items()}, ones, routers, gains)
     return path

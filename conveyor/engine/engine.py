@@ -325,7 +325,8 @@ def kv_cache_blocks(config: EngineConfig, cfg, dtype: torch.dtype, layout: KVLay
 
 def available_memory() -> int | None:
     """Bytes this process may still take: /proc/meminfo's MemAvailable, capped by a cgroup v2
-    limit where one is set (a container's); None where neither is known."""
+    limit where one is set (a container's: its limit less what it uses, page cache excepted);
+    None where neither is known."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -337,7 +338,9 @@ def available_memory() -> int | None:
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
-            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            stat = dict(line.split() for line in Path("/sys/fs/cgroup/memory.stat").read_text().splitlines())
+            room = int(limit) - used + int(stat.get("file", 0))   # the page cache it holds can be reclaimed
             avail = room if avail is None else min(avail, room)
     except (OSError, ValueError):
         pass

@@ -214,6 +214,8 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
         weights, ids = self.route(x)   # (LoRA on MoE models is refused at engine start)
         if x.shape[0] == 1:   # one token: its k experts, in ascending order
             ids, order = ids[0].sort()
