@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conveyor.model import linear, probe_cache, quant
@@ -298,11 +300,7 @@ def weight_bytes_estimate(path: Path, dtype: torch.dtype, quantization: str = "a
     if path.is_file() and path.suffix == ".gguf":
         if quantization != "none":
             return path.stat().st_size
-        import gguf
-
         return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors) * dtype.itemsize
-    from safetensors import safe_open
-
     total = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
