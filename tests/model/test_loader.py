@@ -164,7 +164,7 @@ _GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
+               "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -182,8 +182,26 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{idx}.{_GGUF_LAYER[module]}.{suffix}"
 
 
-def _write_tiny_gguf(hf_model, path: Path, arch: str, add_tensor=None) -> Path:
-    """`add_tensor(writer, gguf_name, fp32 array)`: how each tensor is stored (default: F32)."""
+def _gguf_arrays(hf_model, arch: str, names=None):
+    """(GGUF name, fp32 array) of each tensor of the model's state dict (a tied LM head left out),
+    Q/K rows permuted as llama.cpp does for its "llama" graph. `names`: which state-dict entries
+    (default: all)."""
+    c = hf_model.config
+    for name, t in hf_model.state_dict().items():
+        if (name == "lm_head.weight" and c.tie_word_embeddings) or (names is not None and name not in names):
+            continue
+        a = t.detach().float().numpy().copy()
+        if arch == "llama" and ".q_proj." in name:
+            a = _llama_cpp_permute(a, c.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            a = _llama_cpp_permute(a, c.num_key_value_heads)
+        yield _gguf_name(name), a
+
+
+def _write_tiny_gguf(hf_model, path: Path, arch: str, add_tensor=None, tensors=None, metadata=None) -> Path:
+    """`add_tensor(writer, gguf_name, fp32 array)`: how each tensor is stored (default: F32).
+    `tensors`: GGUF-named fp32 arrays to write instead of the model's state dict (each renamed and,
+    for "llama", its Q/K rows permuted); `metadata(writer)`: keys beyond the common ones."""
     c = hf_model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -198,18 +216,13 @@ def _write_tiny_gguf(hf_model, path: Path, arch: str, add_tensor=None) -> Path:
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_vocab_size(c.vocab_size)
-    for name, t in hf_model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        a = t.detach().float().numpy().copy()
-        if arch == "llama" and ".q_proj." in name:
-            a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            a = _llama_cpp_permute(a, c.num_key_value_heads)
+    if metadata is not None:
+        metadata(w)
+    for name, a in (_gguf_arrays(hf_model, arch) if tensors is None else tensors.items()):
         if add_tensor is None:
-            w.add_tensor(_gguf_name(name), a)
+            w.add_tensor(name, a)
         else:
-            add_tensor(w, _gguf_name(name), a)
+            add_tensor(w, name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -20,6 +20,7 @@ from conveyor.model.loader import build_model, expert_weights, load_weights, rea
 from conveyor.model.quant import QuantLinear, QuantTensor
 from conveyor.sampling.params import SamplingParams
 
+from test_loader import _gguf_arrays, _write_tiny_gguf
 from model_testlib import (MOE_FAMILIES, assert_greedy_matches, conveyor_greedy, conveyor_prompt_logits, logit_atol,
                            random_prompts, with_tokenizer)
 
@@ -91,45 +92,29 @@ def test_mixtral_names_and_stacked_experts_load_alike(tiny_models):
 
 # --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes these models -------------------------------
 
-_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's Q/K row order for its "llama" graph (Mixtral): rotate-half rows -> pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_tensors(hf) -> dict[str, np.ndarray]:
-    """GGUF-named fp32 arrays of an HF MoE model (experts: [experts, rows, columns])."""
-    c = hf.config
-    mixtral = c.model_type == "mixtral"
+    """GGUF-named fp32 arrays of an HF MoE model: the experts (transformers 5 holds them stacked,
+    [E, 2I, H] and [E, H, I]) as llama.cpp's merged ffn_{gate,up,down}_exps ([experts, rows,
+    columns]), the rest as for a dense model (the router as ffn_gate_inp; Mixtral's Q/K permuted)."""
+    arch = _arch(hf)
     out = {}
     for name, t in hf.state_dict().items():
-        a = t.detach().float().numpy().copy()
-        if name in _GLOBAL:
-            out[_GLOBAL[name]] = a
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             continue
-        _, _, idx, rest = name.split(".", 3)
-        module, _, suffix = rest.rpartition(".")
-        if module == "mlp.experts":   # transformers 5 holds experts stacked: [E, 2I, H] and [E, H, I]
-            if suffix == "gate_up_proj":
-                half = a.shape[1] // 2
-                out[f"blk.{idx}.ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :half])
-                out[f"blk.{idx}.ffn_up_exps.weight"] = np.ascontiguousarray(a[:, half:])
-            else:
-                out[f"blk.{idx}.ffn_down_exps.weight"] = a
-            continue
-        if mixtral and module == "self_attn.q_proj":
-            a = _permute(a, c.num_attention_heads)
-        elif mixtral and module == "self_attn.k_proj":
-            a = _permute(a, c.num_key_value_heads)
-        out[f"blk.{idx}.{_LAYER[module]}.{suffix}"] = a
-    return out
+        a = t.detach().float().numpy()
+        idx = name.split(".")[2]
+        if name.endswith("gate_up_proj"):
+            half = a.shape[1] // 2
+            out[f"blk.{idx}.ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :half])
+            out[f"blk.{idx}.ffn_up_exps.weight"] = np.ascontiguousarray(a[:, half:])
+        else:
+            out[f"blk.{idx}.ffn_down_exps.weight"] = a.copy()
+    rest = {k for k in hf.state_dict() if ".mlp.experts." not in k}
+    return {**dict(_gguf_arrays(hf, arch, rest)), **out}
+
+
+def _arch(hf) -> str:
+    return "llama" if hf.config.model_type == "mixtral" else "qwen3moe"
 
 
 def _write_moe_gguf(hf, path, qtype: str | None = None):
@@ -137,29 +122,19 @@ def _write_moe_gguf(hf, path, qtype: str | None = None):
     matrix but the routers (which llama.cpp keeps in F32) and the norms stored in that type; a
     K-quant (which the gguf package cannot write) only for the experts, as random blocks."""
     c = hf.config
-    arch = "llama" if c.model_type == "mixtral" else "qwen3moe"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
-    w.add_expert_count(c.num_experts if arch == "qwen3moe" else c.num_local_experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
-    if arch == "qwen3moe":
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_weights_norm(c.norm_topk_prob)
+    arch = _arch(hf)
+
+    def metadata(w) -> None:
+        w.add_expert_count(c.num_experts if arch == "qwen3moe" else c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            w.add_expert_weights_norm(c.norm_topk_prob)
+
     rng = np.random.default_rng(0)
-    for name, a in _gguf_tensors(hf).items():
+
+    def add_tensor(w, name: str, a: np.ndarray) -> None:
         if qtype in BLOCK_BYTES and qtype.endswith("_K") and a.ndim == 3:
-            per, nbytes = BLOCK_BYTES[qtype]
             data = np.stack([_blocks(rng, a.shape[1], a.shape[2], qtype) for _ in range(a.shape[0])])
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
         elif qtype is None or a.ndim == 1 or "ffn_gate_inp" in name or qtype.endswith("_K"):
@@ -168,11 +143,8 @@ def _write_moe_gguf(hf, path, qtype: str | None = None):
             kind = gguf.GGMLQuantizationType[qtype]
             data = gguf.quants.quantize(a, kind)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+
+    return _write_tiny_gguf(hf, path, arch, add_tensor, _gguf_tensors(hf), metadata)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
